@@ -1,0 +1,1 @@
+"""Model building blocks: parameters annotated with logical axis names, no device placement."""

@@ -1,0 +1,44 @@
+"""SwiGLU feed-forward block (Llama / DeepSeek dense MLP)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from layers.params import logical_param
+
+# Truncated normal (within two standard deviations) rescaled to a standard deviation of exactly
+# 1 / sqrt(fan_in); fan_in is the first kernel axis.
+_kernel_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+class SwiGLU(nnx.Module):
+    """down(silu(x @ gate) * (x @ up)); gate, up: [embed, mlp], down: [mlp, embed]."""
+
+    def __init__(
+        self,
+        embed_dim: int,
+        mlp_dim: int,
+        *,
+        param_dtype: jnp.dtype = jnp.float32,
+        dtype: jnp.dtype = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = dtype
+        self.gate = logical_param(
+            _kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp")
+        )
+        self.up = logical_param(
+            _kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp")
+        )
+        self.down = logical_param(
+            _kernel_init(rngs.params(), (mlp_dim, embed_dim), param_dtype), ("mlp", "embed")
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [batch, length, embed] -> [batch, length, embed] in `dtype`."""
+        x = x.astype(self.dtype)
+        gate = x @ self.gate[...].astype(self.dtype)
+        up = x @ self.up[...].astype(self.dtype)
+        return (jax.nn.silu(gate) * up) @ self.down[...].astype(self.dtype)

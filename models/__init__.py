@@ -1,0 +1,16 @@
+"""Model registry: `model.family` in the config names the class that builds the model."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from models.llama import Llama
+
+REGISTRY = {"llama": Llama}
+
+
+def build(config, *, rngs: nnx.Rngs) -> nnx.Module:
+    """Builds the model of `config.family` (a ModelConfig) with fresh parameters."""
+    if config.family not in REGISTRY:
+        raise ValueError(f"model.family={config.family!r} is unknown; registered: {', '.join(REGISTRY)}")
+    return REGISTRY[config.family](config, rngs=rngs)

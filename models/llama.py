@@ -1,0 +1,76 @@
+"""Llama 2 / 3 / 3.1 / 3.2: pre-norm decoder blocks (RMSNorm, GQA attention with RoPE, SwiGLU), scanned.
+
+Versions differ only in config fields (heads, kv heads, rope theta and scaling, tied embeddings).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import parallel
+from layers.attention import Attention
+from layers.embed import Embed, OutputHead
+from layers.mlp import SwiGLU
+from layers.norm import RMSNorm
+from models.dtypes import compute_dtype, param_dtype
+from models.remat import remat
+
+
+class Block(nnx.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)); x: [batch, length, embed]."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs):
+        kw = dict(param_dtype=param_dtype(config), dtype=compute_dtype(config))
+        self.attn_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.attn = Attention(config.embed_dim, config.num_heads, config.num_kv_heads, config.head_dim,
+                              rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, rngs=rngs, **kw)
+        self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.mlp = SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
+
+    def __call__(self, x, positions, segment_ids):
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        x = x + self.mlp(self.mlp_norm(x))
+        return parallel.shard(x, ("batch", "length", "embed"))
+
+
+class Llama(nnx.Module):
+    """tokens [batch, length] -> hidden [batch, length, embed] -> logits [batch, length, vocab]."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs):
+        self.config = config
+        kw = dict(param_dtype=param_dtype(config), dtype=compute_dtype(config))
+        self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs, **kw)
+
+        @nnx.split_rngs(splits=config.num_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(rngs):
+            return Block(config, rngs=rngs)
+
+        self.layers = make_layers(rngs)
+        self.final_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.head = None if config.tie_embeddings else OutputHead(config.embed_dim, config.vocab_size, rngs=rngs, **kw)
+
+    def hidden(self, tokens, positions=None, segment_ids=None):
+        """tokens/positions/segment_ids: [batch, length] -> final-normed hidden [batch, length, embed]."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = parallel.shard(self.embed(tokens), ("batch", "length", "embed"))
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(h, layer):
+            return nnx.merge(graphdef, layer)(h, positions, segment_ids), None
+
+        x, _ = jax.lax.scan(remat(body, self.config.remat_policy), x, stacked)
+        return self.final_norm(x)
+
+    def output_kernel(self):
+        """[embed, vocab] matrix mapping hidden states to logits."""
+        return self.embed.as_output_kernel() if self.head is None else self.head.output_kernel()
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """-> logits [batch, length, vocab] in float32 (for sampling and reference checks, not the loss)."""
+        hidden = self.hidden(tokens, positions, segment_ids)
+        return jnp.einsum("bte,ev->btv", hidden, self.output_kernel().astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)

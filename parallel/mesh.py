@@ -1,0 +1,93 @@
+"""Device mesh from config and the one table mapping logical axis names to mesh axes.
+
+Axes: data, fsdp, context, tensor. Written for multi-host: after `jax.distributed.initialize()`,
+`jax.devices()` lists every host's devices and the same code builds the global mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "fsdp", "context", "tensor")
+
+# logical axis -> mesh axes, in priority order. A mesh axis already used by an earlier dimension of
+# the same array is dropped, so e.g. [batch, length, embed] activations shard embed nowhere.
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp"),
+    "length": ("context",),
+    "embed": ("fsdp",),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+    "layers": (),
+}
+
+
+class MeshError(ValueError):
+    """The mesh sizes do not fit the devices or the batch."""
+
+
+def mesh_shape(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
+    """Resolves one -1 axis so that the product of sizes equals `num_devices`."""
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    fills = [name for name, size in sizes.items() if size == -1]
+    resolved = dict(sizes)
+    if fills:
+        if num_devices % fixed:
+            raise MeshError(f"mesh {sizes}: {num_devices} devices are not divisible by the fixed axes' product {fixed}")
+        resolved[fills[0]] = num_devices // fixed
+    if math.prod(resolved.values()) != num_devices:
+        raise MeshError(f"mesh {sizes} uses {math.prod(resolved.values())} devices but {num_devices} are available; "
+                        f"make the product of mesh sizes equal {num_devices} or set one axis to -1")
+    return resolved
+
+
+def make_mesh(config, devices=None) -> Mesh:
+    """Builds the mesh (axes data, fsdp, context, tensor) from a MeshConfig-like object."""
+    devices = jax.devices() if devices is None else devices
+    shape = mesh_shape({name: getattr(config, name) for name in AXES}, len(devices))
+    grid = np.asarray(devices).reshape([shape[name] for name in AXES])
+    return Mesh(grid, AXES)
+
+
+def logical_spec(names, mesh: Mesh | None = None) -> PartitionSpec:
+    """PartitionSpec for logical axis names; mesh axes of size 1 (when a mesh is given) are left out."""
+    used: set[str] = set()
+    spec = []
+    for name in names:
+        axes = tuple(a for a in LOGICAL_RULES.get(name, ()) if name is not None and a not in used
+                     and (mesh is None or mesh.shape[a] > 1))
+        used.update(axes)
+        spec.append(axes[0] if len(axes) == 1 else (axes or None))
+    return PartitionSpec(*spec)
+
+
+def state_shardings(state, mesh: Mesh):
+    """NamedSharding for every variable of an nnx state, from its `out_sharding` logical names."""
+
+    def one(variable):
+        names = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
+        return variable.replace(NamedSharding(mesh, logical_spec(names, mesh)))
+
+    return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of [batch, length] input arrays: batch over data x fsdp, length over context."""
+    return NamedSharding(mesh, logical_spec(("batch", "length"), mesh))
+
+
+def check_batch(batch_size: int, accum_steps: int, mesh: Mesh) -> None:
+    """Each micro-batch (batch_size / accum_steps rows) must split evenly over data x fsdp."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    if (batch_size // accum_steps) % shards:
+        raise MeshError(f"train.batch_size={batch_size} / train.grad_accum_steps={accum_steps} must be divisible "
+                        f"by mesh data x fsdp = {shards}")

@@ -1,0 +1,81 @@
+"""Config loading: `base:` inheritance, dotted overrides, and each validation error."""
+
+import pathlib
+
+import pytest
+
+from train.config import ConfigError, load_config
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file():
+    config = load_config(None)
+    assert config.model.family == "llama" and config.train.steps > 0
+
+
+def test_inheritance_and_override_order(tmp_path):
+    write(tmp_path, "grand.yaml", "model: {embed_dim: 128, num_layers: 3}\ntrain: {steps: 7}\n")
+    write(tmp_path, "parent.yaml", "base: grand.yaml\nmodel: {num_layers: 5}\n")
+    child = write(tmp_path, "child.yaml", "base: [parent.yaml]\ntrain: {batch_size: 4}\n")
+    config = load_config(child, ["train.steps=11", "optimizer.learning_rate=1e-3", "model.rope_scaling.type=yarn"])
+    assert config.model.embed_dim == 128  # from grand
+    assert config.model.num_layers == 5  # parent overrides grand
+    assert config.train.batch_size == 4 and config.train.steps == 11
+    assert config.optimizer.learning_rate == pytest.approx(1e-3)
+    assert config.model.rope_scaling.type == "yarn"
+
+
+def test_int_is_accepted_for_float():
+    assert isinstance(load_config(None, ["optimizer.learning_rate=1"]).optimizer.learning_rate, float)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    load_config(path)
+
+
+def test_llama_configs_have_expected_fields():
+    config = load_config(CONFIGS / "models" / "llama3.1-70b.yaml")
+    assert (config.model.embed_dim, config.model.num_layers, config.model.num_kv_heads) == (8192, 80, 8)
+    assert config.model.rope_scaling.type == "llama3" and config.model.rope_scaling.factor == 8.0
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["model.embed=3"], ["model.embed", "allowed keys", "embed_dim"]),
+    (["trian.steps=3"], ["trian", "allowed keys", "train"]),
+    (["train.steps=ten"], ["train.steps", "'ten'", "int"]),
+    (["train.steps=1.5"], ["train.steps", "1.5", "int"]),
+    (["train.progress_bar=3"], ["train.progress_bar", "bool"]),
+    (["train.steps=0"], ["train.steps", "> 0"]),
+    (["model.num_heads=6", "model.num_kv_heads=4"], ["model.num_heads=6", "num_kv_heads=4", "divisible"]),
+    (["data.seq_len=1000", "model.loss_chunk_size=512"], ["data.seq_len=1000", "loss_chunk_size=512"]),
+    (["data.packing=greedy"], ["data.packing", "'greedy'", "concat", "first_fit"]),
+    (["model.rope_scaling.type=ntk"], ["model.rope_scaling.type", "llama3", "yarn"]),
+    (["mesh.context=3"], ["data.seq_len=256", "mesh.context=3"]),
+    (["mesh.data=-1"], ["only one mesh axis", "mesh.data", "mesh.fsdp"]),
+    (["train.batch_size=6", "train.grad_accum_steps=4"], ["train.batch_size=6", "grad_accum_steps=4"]),
+    (["mesh.tensor=3", "model.num_heads=4"], ["model.num_heads=4", "mesh.tensor=3"]),
+    (["checkpoint.init_from=/does/not/exist"], ["checkpoint.init_from", "/does/not/exist", "does not exist"]),
+    (["train.steps"], ["train.steps", "section.key=value"]),
+])
+def test_validation_errors_name_key_value_and_allowed(overrides, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS / "tiny.yaml", overrides)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_base_cycle_and_missing_file(tmp_path):
+    write(tmp_path, "a.yaml", "base: b.yaml\n")
+    write(tmp_path, "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")

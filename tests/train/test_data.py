@@ -1,0 +1,286 @@
+"""Document sources, held-out split, packing invariants, determinism and exact resume."""
+
+import json
+import pickle
+
+import grain
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from train.config import DataConfig
+from train.data import build_dataset, pack, split_indices
+from train.sources import open_source, stdlib_source
+from train.tokenizer import ByteTokenizer
+
+TOK = ByteTokenizer()
+SEQ_LEN = 16
+# Lengths chosen to hit: shorter than a row, exactly a row, several rows, a single byte.
+DOCS = [f"doc{i}:" + "abcdefghijklmnopqrstuvwxyz"[: (7 * i) % 27] * (1 + i % 3) for i in range(12)] + ["x"]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A folder with one text file per document, named so sorting keeps DOCS order."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for i, doc in enumerate(DOCS):
+        (folder / f"{i:02d}.txt").write_text(doc)
+    return folder
+
+
+def config(source, **overrides) -> DataConfig:
+    defaults = dict(source=str(source), seq_len=SEQ_LEN, eval_fraction=0.0, shuffle=False)
+    return DataConfig(**{**defaults, **overrides})
+
+
+def documents(texts):
+    """(inputs, targets) int32 per document, as the pipeline builds them: [bos] + bytes + [eos]."""
+    out = []
+    for text in texts:
+        ids = np.array([TOK.bos_id, *text.encode(), TOK.eos_id], np.int32)
+        out.append((ids[:-1], ids[1:]))
+    return out
+
+
+def take(dataset, n):
+    it = iter(dataset)
+    return [next(it) for _ in range(n)]
+
+
+def rows(batches):
+    """Every row of every batch: dicts of [seq_len] arrays."""
+    return [{k: v[r] for k, v in batch.items()} for batch in batches for r in range(len(batch["tokens"]))]
+
+
+def segments(row):
+    """(tokens, targets, positions) of each segment of a row, in order."""
+    ids = row["segment_ids"]
+    return [(row["tokens"][ids == s], row["targets"][ids == s], row["positions"][ids == s])
+            for s in np.unique(ids[ids > 0])]
+
+
+# ---------------------------------------------------------------- sources
+
+
+def test_text_file_is_one_document(tmp_path):
+    path = tmp_path / "book.txt"
+    path.write_bytes("héllo\nworld\n".encode() + b"\xff")
+    source = open_source(config(path))
+    assert len(source) == 1 and source[0] == "héllo\nworld\n\ufffd"
+
+
+def test_folder_with_pattern_is_recursive_sorted_and_skips_hidden(tmp_path):
+    for name, text in [("b.txt", "B"), ("sub/a.txt", "A"), ("c.md", "C"), (".hidden.txt", "H"),
+                       (".git/x.txt", "G")]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    source = open_source(config(tmp_path, file_pattern="*.txt"))
+    assert [source[i] for i in range(len(source))] == ["B", "A"]
+    assert len(open_source(config(tmp_path))) == 3
+
+
+def test_jsonl(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": "first", "id": 1}), "", json.dumps({"text": "ünï ✓"}),
+             json.dumps({"text": "last"})]
+    path.write_text("\n".join(lines))  # an empty line, no trailing newline
+    source = open_source(config(path))
+    assert [source[i] for i in range(len(source))] == ["first", "ünï ✓", "last"]
+    assert pickle.loads(pickle.dumps(source))[2] == "last"
+
+
+def test_jsonl_missing_field_names_file_line_field_and_keys(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"content": "no", "id": 2}) + "\n")
+    source = open_source(config(path))
+    with pytest.raises(ValueError, match=r"line 2 has no field 'text'.*\['content', 'id'\]") as info:
+        source[1]
+    assert str(path) in str(info.value)
+
+
+def test_parquet_reads_rows_across_row_groups(tmp_path):
+    path = tmp_path / "docs.parquet"
+    texts = [f"row {i} ✓" for i in range(7)]
+    pq.write_table(pa.table({"id": list(range(7)), "body": texts}), path, row_group_size=3)
+    source = open_source(config(path, text_field="body"))
+    assert len(source) == 7
+    assert [source[i] for i in (6, 0, 3, 4, 1)] == [texts[i] for i in (6, 0, 3, 4, 1)]
+    assert pickle.loads(pickle.dumps(source))[5] == texts[5]
+
+
+def test_parquet_missing_column_lists_columns(tmp_path):
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"id": [1], "body": ["x"]}), path)
+    with pytest.raises(ValueError, match=r"no column 'text'.*\['id', 'body'\]"):
+        open_source(config(path))
+
+
+def test_stdlib_is_the_default_corpus():
+    assert len(stdlib_source()) > 100
+    source = open_source(DataConfig(max_documents=5))
+    assert len(source) == 5 and source[0]
+
+
+def test_missing_source_names_path_and_choices(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope.*stdlib"):
+        open_source(config(tmp_path / "nope"))
+
+
+def test_empty_corpus(tmp_path):
+    with pytest.raises(ValueError, match=r"empty corpus.*'\*\.txt'"):
+        open_source(config(tmp_path, file_pattern="*.txt"))
+    (tmp_path / "a.txt").write_text("")
+    with pytest.raises(ValueError, match="empty corpus"):
+        open_source(config(tmp_path, file_pattern="*.txt"))
+
+
+# ---------------------------------------------------------------- split
+
+
+def test_split_is_disjoint_covering_and_deterministic():
+    train, held = split_indices(100, 0.1, seed=3)
+    assert len(held) == 10 and not set(train) & set(held)
+    assert sorted([*train, *held]) == list(range(100))
+    again = split_indices(100, 0.1, seed=3)
+    assert np.array_equal(train, again[0]) and np.array_equal(held, again[1])
+    assert not np.array_equal(held, split_indices(100, 0.1, seed=4)[1])
+    assert [len(part) for part in split_indices(2, 0.01, 0)] == [1, 1]
+    assert [len(part) for part in split_indices(1, 0.5, 0)] == [1, 0]
+    assert [len(part) for part in split_indices(5, 0.0, 0)] == [5, 0]
+
+
+def test_eval_split_reads_only_held_out_documents_in_order(corpus):
+    cfg = config(corpus, eval_fraction=0.25, shuffle=True)
+    _, held = split_indices(len(DOCS), 0.25, cfg.seed)
+    batches = list(build_dataset(cfg, TOK, batch_size=1, split="eval", num_epochs=1))
+    stream = np.concatenate([row["tokens"][row["segment_ids"] > 0] for row in rows(batches)])
+    expected = np.concatenate([inputs for inputs, _ in documents([DOCS[i] for i in held])])
+    assert np.array_equal(stream, expected)
+
+
+# ---------------------------------------------------------------- packing
+
+
+def check_row_invariants(row):
+    ids, pos, mask = row["segment_ids"], row["positions"], row["loss_mask"]
+    dtypes = {"tokens": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
+              "loss_mask": np.float32}
+    assert {k: (v.dtype, v.shape) for k, v in row.items()} == {k: (d, (SEQ_LEN,)) for k, d in dtypes.items()}
+    for _, _, positions in segments(row):
+        assert np.array_equal(positions, np.arange(len(positions)))
+    assert np.array_equal(mask, (ids > 0).astype(np.float32))
+    assert np.all(pos[ids == 0] == 0) and np.all(row["tokens"][ids == 0] == TOK.pad_id)
+    same = (ids[:-1] == ids[1:]) & (ids[:-1] > 0)
+    assert np.array_equal(row["targets"][:-1][same], row["tokens"][1:][same])
+
+
+def is_piece(tokens, targets, docs, stride):
+    """Whether (tokens, targets) is docs[d][o:o+n] for some document d and offset o (a multiple of stride)."""
+    n = len(tokens)
+    return any(
+        np.array_equal(inputs[o:o + n], tokens) and np.array_equal(outputs[o:o + n], targets)
+        for inputs, outputs in docs for o in range(0, len(inputs) - n + 1, stride)
+    )
+
+
+def test_concat_packing_keeps_the_token_stream(corpus):
+    all_rows = rows(build_dataset(config(corpus), TOK, batch_size=1, num_epochs=1))
+    docs = documents(DOCS)
+    for row in all_rows:
+        check_row_invariants(row)
+        assert all(is_piece(tokens, targets, docs, 1) for tokens, targets, _ in segments(row))
+    assert all(row["segment_ids"].min() > 0 for row in all_rows[:-1])  # padding only at the very end
+    for field, k in (("tokens", 0), ("targets", 1)):
+        stream = np.concatenate([row[field][row["segment_ids"] > 0] for row in all_rows])
+        assert np.array_equal(stream, np.concatenate([doc[k] for doc in docs]))
+
+
+def test_first_fit_packing_places_every_piece_once(corpus):
+    all_rows = rows(build_dataset(config(corpus, packing="first_fit"), TOK, batch_size=1, num_epochs=1))
+    docs = documents(DOCS)
+    found = []
+    for row in all_rows:
+        check_row_invariants(row)
+        for tokens, targets, _ in segments(row):
+            assert is_piece(tokens, targets, docs, SEQ_LEN)
+            found.append(tuple(tokens))
+    expected = [tuple(inputs[o:o + SEQ_LEN]) for inputs, _ in docs for o in range(0, len(inputs), SEQ_LEN)]
+    assert sorted(found) == sorted(expected)
+    assert any(row["segment_ids"].max() > 1 for row in all_rows)  # short pieces share rows
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+def test_packer_keeps_inputs_and_targets_in_lockstep(packing):
+    lengths = [3, 16, 40, 1, 7, 9, 22, 5]
+    examples = [{"inputs": ids, "targets": ids + 1}
+                for ids in (np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lengths))]
+    source = grain.MapDataset.source(examples).to_iter_dataset()
+    out = list(pack(source, seq_len=SEQ_LEN, packing=packing, num_bins=4))
+    assert out
+    for row in out:
+        assert np.array_equal(row["inputs_segment_ids"], row["targets_segment_ids"])
+        assert np.array_equal(row["inputs_positions"], row["targets_positions"])
+        real = row["inputs_segment_ids"] > 0
+        assert np.array_equal(row["targets"][real], row["inputs"][real] + 1)
+
+
+def test_bad_packing_and_split_are_named(corpus):
+    with pytest.raises(ValueError, match="'zigzag'.*concat, first_fit"):
+        build_dataset(config(corpus, packing="zigzag"), TOK, batch_size=1)
+    with pytest.raises(ValueError, match="'test'.*train, eval"):
+        build_dataset(config(corpus), TOK, batch_size=1, split="test")
+    with pytest.raises(ValueError, match="split='eval' has no documents"):
+        build_dataset(config(corpus), TOK, batch_size=1, split="eval")
+
+
+def test_shards_take_alternate_documents(corpus):
+    docs = documents(DOCS)
+    for shard in range(2):
+        dataset = build_dataset(config(corpus), TOK, batch_size=1, shard_index=shard, shard_count=2,
+                                num_epochs=1)
+        stream = np.concatenate([row["tokens"][row["segment_ids"] > 0] for row in rows(list(dataset))])
+        assert np.array_equal(stream, np.concatenate([inputs for inputs, _ in docs[shard::2]]))
+
+
+# ---------------------------------------------------------------- determinism and resume
+
+
+def test_same_seed_same_batches_different_seed_different_order(corpus):
+    def first(seed):
+        return take(build_dataset(config(corpus, shuffle=True, seed=seed), TOK, batch_size=2), 6)
+
+    a, b, c = first(0), first(0), first(1)
+    assert all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
+    assert not all(np.array_equal(x["tokens"], z["tokens"]) for x, z in zip(a, c))
+
+
+def test_epochs_are_reshuffled(corpus):
+    cfg = config(corpus, shuffle=True)
+    batches = list(build_dataset(cfg, TOK, batch_size=1, num_epochs=2))
+    stream = np.concatenate([row["tokens"][row["segment_ids"] > 0] for row in rows(batches)])
+    starts = np.flatnonzero(stream == TOK.bos_id)
+    order = [TOK.decode(doc) for doc in np.split(stream, starts[1:])]
+    first, second = order[: len(DOCS)], order[len(DOCS):]
+    assert sorted(first) == sorted(second) == sorted(DOCS)
+    assert first != second
+
+
+@pytest.mark.parametrize("packing", ["concat", "first_fit"])
+@pytest.mark.parametrize("k", [0, 1, 5])
+def test_exact_resume_from_json_state(corpus, packing, k):
+    cfg = config(corpus, shuffle=True, packing=packing, eval_fraction=0.1)
+    it = iter(build_dataset(cfg, TOK, batch_size=2))
+    for _ in range(k):
+        next(it)
+    saved = json.dumps(it.get_state())
+    expected = [next(it) for _ in range(7)]
+
+    resumed = iter(build_dataset(cfg, TOK, batch_size=2))
+    resumed.set_state(json.loads(saved))
+    got = [next(resumed) for _ in range(7)]
+    for x, y in zip(expected, got):
+        assert x.keys() == y.keys()
+        for key in x:
+            assert x[key].dtype == y[key].dtype and np.array_equal(x[key], y[key])

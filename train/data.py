@@ -1,0 +1,218 @@
+"""Grain input pipeline: documents -> token ids -> packed rows of seq_len tokens -> numpy batches.
+
+    doc indices -> shuffle + repeat (train) -> shard by process -> tokenize -> (inputs, targets)
+    -> pack (concat: split documents across rows | first_fit: cut to seq_len, pad rows)
+    -> model fields -> batch -> thread prefetch
+
+Each batch is a dict of numpy arrays, all [batch_size, seq_len]:
+    tokens      int32    input ids (tokenizer.pad_id on padding)
+    targets     int32    next-token ids, packed in lockstep with tokens so a target never
+                         crosses a document boundary (tokenizer.pad_id on padding)
+    segment_ids int32    1, 2, ... per document piece within the row; 0 on padding
+    positions   int32    0, 1, 2, ... restarting in each segment; 0 on padding
+    loss_mask   float32  1 where `targets` is a real next token of the same document, else 0
+
+`iter(build_dataset(...))` is a grain iterator with `get_state()` / `set_state(state)`; its state
+is plain JSON (dicts, lists, ints, strings), so `json.dumps(it.get_state())` saved at step k and
+`set_state(json.loads(text))` on a fresh iterator replays the following batches bit for bit.
+Everything runs in this process (a few reader threads, one prefetch thread); no workers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import grain
+import numpy as np
+
+from train.config import DataConfig
+from train.sources import Source, open_source
+from train.tokenizer import Tokenizer
+
+PACKINGS = ("concat", "first_fit")
+SPLITS = ("train", "eval")
+MIN_PACKING_BINS = 16  # first_fit packs into max(batch_size, this) rows at a time
+READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)  # document read + tokenize
+PREFETCH_BATCHES = 2
+_TUPLE = "__tuple__"  # JSON stand-in for the tuples inside grain's packer state
+
+
+def split_indices(n_docs: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Held-out split of range(n_docs): (train [n_train], eval [n_eval]) int64, each sorted.
+
+    eval gets max(1, round(n_docs * eval_fraction)) documents when eval_fraction > 0 and n_docs > 1,
+    else none; train always keeps at least one. The same arguments give the same split.
+    """
+    if not 0 <= eval_fraction < 1:
+        raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1)")
+    n_eval = min(max(1, round(n_docs * eval_fraction)), n_docs - 1) if eval_fraction > 0 and n_docs > 1 else 0
+    order = np.random.default_rng(seed).permutation(n_docs)
+    return np.sort(order[n_eval:]), np.sort(order[:n_eval])
+
+
+class _Tokenize:
+    """Document index -> {"inputs": ids[:-1], "targets": ids[1:]}, int32 [len - 1], with bos/eos added."""
+
+    def __init__(self, source: Source, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
+        self.source = source
+        self.tokenizer = tokenizer
+        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
+        self.suffix = [tokenizer.eos_id] if add_eos and tokenizer.eos_id is not None else []
+
+    def __call__(self, index) -> dict[str, np.ndarray]:
+        ids = np.asarray(self.prefix + self.tokenizer.encode(self.source[int(index)]) + self.suffix, np.int32)
+        return {"inputs": ids[:-1], "targets": ids[1:]}
+
+
+def _has_input(example: dict[str, np.ndarray]) -> bool:
+    return len(example["inputs"]) > 0
+
+
+class _Pieces(grain.experimental.FlatMapTransform):
+    """Cuts an example into consecutive pieces of at most seq_len tokens (inputs and targets alike)."""
+
+    def __init__(self, seq_len: int):
+        self.seq_len = seq_len
+
+    def flat_map(self, example: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        return [
+            {key: value[start:start + self.seq_len] for key, value in example.items()}
+            for start in range(0, len(example["inputs"]), self.seq_len)
+        ]
+
+
+def pack(examples: grain.IterDataset, *, seq_len: int, packing: str, num_bins: int) -> grain.IterDataset:
+    """Packs {"inputs", "targets"} examples (int32 [n]) into rows of int32 [seq_len].
+
+    Rows carry grain's packer fields: inputs, targets and, for each, *_segment_ids and *_positions.
+    concat: documents are concatenated and split across rows (no padding until the stream ends);
+    first_fit: documents are cut to seq_len pieces and first-fit into `num_bins` rows at a time,
+    which are emitted in order and padded.
+    """
+    lengths = {"inputs": seq_len, "targets": seq_len}
+    if packing == "concat":
+        return grain.experimental.ConcatThenSplitIterDataset(examples, length_struct=lengths)
+    if packing == "first_fit":
+        pieces = grain.experimental.FlatMapIterDataset(examples, _Pieces(seq_len))
+        return grain.experimental.FirstFitPackIterDataset(
+            pieces, length_struct=lengths, num_packing_bins=num_bins, shuffle_bins=False
+        )
+    raise ValueError(f"data.packing={packing!r} is not allowed; choose one of {', '.join(PACKINGS)}")
+
+
+def _model_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
+    """Packer row -> the batch fields of the module docstring, each [seq_len]."""
+    segment_ids = row["inputs_segment_ids"].astype(np.int32)
+    real = segment_ids > 0
+    return {
+        "tokens": np.where(real, row["inputs"], pad_id).astype(np.int32),
+        "targets": np.where(real, row["targets"], pad_id).astype(np.int32),
+        "segment_ids": segment_ids,
+        "positions": row["inputs_positions"].astype(np.int32),
+        "loss_mask": real.astype(np.float32),
+    }
+
+
+def _to_json(state: Any) -> Any:
+    """Grain state -> JSON-native: tuples become {"__tuple__": [...]}, numpy scalars Python ones."""
+    if isinstance(state, dict):
+        return {key: _to_json(value) for key, value in state.items()}
+    if isinstance(state, tuple):
+        return {_TUPLE: [_to_json(value) for value in state]}
+    if isinstance(state, list):
+        return [_to_json(value) for value in state]
+    if isinstance(state, np.generic):
+        return state.item()
+    return state
+
+
+def _from_json(state: Any) -> Any:
+    """Inverse of _to_json."""
+    if isinstance(state, dict):
+        if set(state) == {_TUPLE}:
+            return tuple(_from_json(value) for value in state[_TUPLE])
+        return {key: _from_json(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [_from_json(value) for value in state]
+    return state
+
+
+class _JsonStateIterator(grain.DatasetIterator):
+    """Passes elements through; get_state/set_state speak JSON-native state.
+
+    Needed because grain's concat packer keeps tuples in its state and, after a JSON round
+    trip, would mistake the lists for slices of a pending document.
+    """
+
+    def __next__(self):
+        return next(self._parent)
+
+    def get_state(self) -> dict[str, Any]:
+        return _to_json(self._parent.get_state())
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self._parent.set_state(_from_json(state))
+
+
+class _JsonStateIterDataset(grain.IterDataset):
+    def __iter__(self) -> _JsonStateIterator:
+        return _JsonStateIterator(self._parent.__iter__())
+
+
+def build_dataset(
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    *,
+    batch_size: int,
+    split: str = "train",
+    shard_index: int = 0,
+    shard_count: int = 1,
+    num_epochs: int | None = None,
+) -> grain.IterDataset:
+    """Batches of this process's share of `split`, as described in the module docstring.
+
+    batch_size is per process, in rows of cfg.seq_len tokens. Documents become [bos] + ids + [eos]
+    (bos/eos added when cfg.add_bos/add_eos and the tokenizer has one); those left with fewer than
+    two ids are skipped. Train documents are shuffled by cfg.seed when cfg.shuffle, each epoch in a
+    different deterministic order; eval keeps document order. num_epochs=None repeats forever; with
+    a finite count the last incomplete batch is dropped, so a small split can give no batch at all,
+    and processes can get different batch counts. Process `shard_index` of `shard_count` takes every
+    shard_count-th document of the (shuffled, repeated) stream.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} is not allowed; choose one of {', '.join(SPLITS)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be >= 1")
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"shard_index={shard_index!r} must be in [0, shard_count={shard_count!r})")
+    if num_epochs is not None and num_epochs < 1:
+        raise ValueError(f"num_epochs={num_epochs!r} must be >= 1 or None (repeat forever)")
+    if cfg.packing not in PACKINGS:
+        raise ValueError(f"data.packing={cfg.packing!r} is not allowed; choose one of {', '.join(PACKINGS)}")
+
+    source = open_source(cfg)
+    train_idx, eval_idx = split_indices(len(source), cfg.eval_fraction, cfg.seed)
+    doc_indices = train_idx if split == "train" else eval_idx
+    if len(doc_indices) == 0:
+        raise ValueError(f"split={split!r} has no documents: {len(source)} documents in data.source="
+                         f"{cfg.source!r} with data.eval_fraction={cfg.eval_fraction}; eval needs "
+                         f"data.eval_fraction > 0 and at least 2 documents")
+
+    docs = grain.MapDataset.source(doc_indices)
+    if split == "train" and cfg.shuffle:
+        # Grain reseeds epoch e with seed + e; a hashed seed keeps runs with seeds s and s+1 apart.
+        docs = docs.shuffle(seed=int(np.random.SeedSequence(cfg.seed).generate_state(1)[0]))
+    docs = docs.repeat(num_epochs)[shard_index::shard_count]
+    if len(docs) == 0:
+        raise ValueError(f"shard_index={shard_index} of shard_count={shard_count} gets no documents from "
+                         f"the {len(doc_indices)} documents of split={split!r}")
+    examples = docs.map(_Tokenize(source, tokenizer, cfg.add_bos, cfg.add_eos)).filter(_has_input)
+
+    rows = pack(examples.to_iter_dataset(READ_OPTIONS), seq_len=cfg.seq_len, packing=cfg.packing,
+                num_bins=max(batch_size, MIN_PACKING_BINS))
+    batches = rows.map(functools.partial(_model_row, pad_id=tokenizer.pad_id)).batch(
+        batch_size, drop_remainder=True
+    )
+    batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=PREFETCH_BATCHES)
+    return _JsonStateIterDataset(batches)

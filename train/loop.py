@@ -1,0 +1,197 @@
+"""The training run: data, sharded state, resume, the step loop, evaluation, checkpoints, sampling.
+
+Restarting with the same command on the same output directory resumes from the newest complete checkpoint
+and continues bit-identically. SIGTERM / SIGINT save a checkpoint at the next step boundary and stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import pathlib
+import signal
+import time
+
+import jax
+import numpy as np
+import yaml
+
+from parallel.mesh import batch_sharding, check_batch, make_mesh
+from train.checkpoint import Checkpointer, restore_model_params
+from train.config import Config, ConfigError, to_dict
+from train.data import build_dataset
+from train.errors import NonFiniteLoss
+from train.flops import flops_per_token, peak_flops_per_device
+from train.metrics import MetricsLogger
+from train.optimizer import learning_rate_schedule, make_optimizer
+from train.sample import generate
+from train.sources import open_source
+from train.state import TrainState, abstract_state, create_state
+from train.step import make_eval_step, make_train_step
+from train.tokenizer import make_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class Stop:
+    """Remembers a SIGTERM / SIGINT so the loop can checkpoint and stop at a step boundary."""
+
+    def __init__(self):
+        self.signal = None
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, _frame):
+        self.signal = signum
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def check_run_directory(output: pathlib.Path, config: Config) -> None:
+    """A run directory belongs to one model: resuming with another architecture is refused, not overwritten."""
+    saved = output / "config.yaml"
+    if saved.exists():
+        previous = yaml.safe_load(saved.read_text()).get("model")
+        current = to_dict(config)["model"]
+        changed = sorted(k for k in current if previous is None or previous.get(k) != current[k])
+        if changed:
+            raise ConfigError(f"train.output_dir={str(output)!r} holds a run of a different model (model.{changed[0]}"
+                              f" was {None if previous is None else previous.get(changed[0])!r}, now "
+                              f"{current[changed[0]]!r}); choose a new train.output_dir")
+
+
+def global_batch(local: dict, sharding) -> dict:
+    """Host-local numpy rows -> global jax arrays sharded over the batch (and context) axes."""
+    return {key: jax.make_array_from_process_local_data(sharding, np.asarray(value)) for key, value in local.items()}
+
+
+def run(config: Config) -> dict:
+    """Trains as configured; returns the last logged metrics."""
+    t, output = config.train, pathlib.Path(config.train.output_dir)
+    tokenizer = make_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(f"tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+                          f"model.vocab_size={config.model.vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}")
+    open_source(config.data)  # fails early on a missing path or an empty corpus
+    mesh = make_mesh(config.mesh)
+    check_batch(t.batch_size, t.grad_accum_steps, mesh)
+    check_run_directory(output, config)
+    output.mkdir(parents=True, exist_ok=True)
+    main_process = jax.process_index() == 0
+    if main_process:
+        (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+    local_rows = t.batch_size // jax.process_count()
+    data_kw = dict(batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count())
+    train_iter = iter(build_dataset(config.data, tokenizer, split="train", **data_kw))
+    tx = make_optimizer(config.optimizer, t.steps)
+    graphdef, abstract, shardings = abstract_state(config.model, tx, mesh)
+    checkpoints = Checkpointer(output / "checkpoints", keep=config.checkpoint.keep,
+                               async_save=config.checkpoint.async_save) if config.checkpoint.enabled else None
+    restored = checkpoints.restore_latest(abstract, train_iter) if checkpoints else None
+    if restored:
+        start, state = restored
+        train_state = TrainState(graphdef, state, shardings)
+        log.info("resumed from step %d", start)
+    else:
+        start, train_state = 0, create_state(config.model, tx, mesh, t.seed)
+        if config.checkpoint.init_from:
+            params = restore_model_params(config.checkpoint.init_from, abstract[0])
+            train_state.state[0] = params
+    with jax.set_mesh(mesh):
+        result = _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, main_process)
+    return result
+
+
+def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, main_process) -> dict:
+    t, output = config.train, pathlib.Path(config.train.output_dir)
+    chunk = config.model.loss_chunk_size
+    train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps)
+    eval_step = make_eval_step(train_state, mesh, chunk_size=chunk)
+    sharding = batch_sharding(mesh)
+    schedule = learning_rate_schedule(config.optimizer, t.steps)
+    tokens_per_step = t.batch_size * config.data.seq_len
+    model_flops = flops_per_token(config.model, config.data.seq_len)
+    peak = peak_flops_per_device(t.peak_tflops_per_device) * jax.device_count()
+    meta = {"config": to_dict(config)}
+    logger = MetricsLogger(output, total_steps=t.steps, start_step=start, progress_bar=t.progress_bar,
+                           enabled=main_process)
+    stop = Stop()
+    window = {"start": None, "steps": 0}
+    last: dict = {}
+    state = train_state.state
+
+    def evaluate(state) -> float:
+        eval_iter = iter(build_dataset(config.data, tokenizer, split="eval", batch_size=t.batch_size // jax.process_count(),
+                                       shard_index=jax.process_index(), shard_count=jax.process_count()))
+        sums = [eval_step(state, global_batch(next(eval_iter), sharding)) for _ in range(t.eval_batches)]
+        eval_iter.close()
+        total, count = (sum(float(s[i]) for s in sums) for i in (0, 1))
+        return total / max(count, 1.0)
+
+    def wants_eval(step: int) -> bool:
+        return step == t.steps or bool(t.eval_every_steps) and step % t.eval_every_steps == 0
+
+    def record(step: int, metrics: dict, eval_state=None) -> None:
+        """Checks the loss is finite; at log steps writes metrics (with eval_loss when eval_state is given)."""
+        nonlocal last
+        values = {key: float(value) for key, value in jax.device_get(metrics).items()}
+        if not math.isfinite(values["loss"]):
+            if checkpoints:
+                checkpoints.wait()
+            kept = checkpoints.manager.latest_step() if checkpoints else None
+            raise NonFiniteLoss(f"loss is {values['loss']} at step {step} (grad_norm {values['grad_norm']}); "
+                                f"stopped without saving this state. Last good checkpoint: "
+                                f"{'none' if kept is None else f'step {kept}'} in {output / 'checkpoints'}. "
+                                f"Try a lower optimizer.learning_rate or optimizer.clip_norm > 0.")
+        now = time.perf_counter()
+        if window["start"] is None:  # the first step includes compilation: time from after it
+            window.update(start=now, steps=0)
+        else:
+            window["steps"] += 1
+        if step % t.log_every_steps and eval_state is None:
+            logger.advance(step)
+            return
+        elapsed = now - window["start"]
+        rate = window["steps"] * tokens_per_step / elapsed if window["steps"] else 0.0
+        values.update(learning_rate=float(schedule(step - 1)), tokens_per_sec=rate,
+                      mfu=rate * model_flops / peak, step_time=elapsed / max(window["steps"], 1))
+        if eval_state is not None:
+            values["eval_loss"] = evaluate(eval_state)
+        logger.log(step, values)
+        last = {"step": step, **values}
+        window.update(start=time.perf_counter(), steps=0)
+
+    try:
+        pending = None  # the previous step's metrics, read while the current step runs
+        for step in range(start + 1, t.steps + 1):
+            state, metrics = train_step(state, global_batch(next(train_iter), sharding))
+            if pending:
+                record(*pending)
+            pending = (step, metrics)
+            save = checkpoints and (step % config.checkpoint.every_steps == 0 or step == t.steps or stop.signal)
+            if save or stop.signal or wants_eval(step):  # a saved or evaluated state is checked first
+                record(step, metrics, state if wants_eval(step) else None)
+                pending = None
+            if save:
+                checkpoints.save(step, state, train_iter, meta)
+            if stop.signal:
+                logger.message(f"stopped by signal {stop.signal} at step {step}; checkpoint saved, "
+                               f"rerun the same command to resume")
+                break
+    finally:
+        train_iter.close()
+        stop.restore()
+        if checkpoints:
+            checkpoints.wait()
+            checkpoints.close()
+        logger.close()
+    if stop.signal:
+        raise SystemExit(128 + stop.signal)
+    if main_process and t.sample_tokens and start < t.steps:
+        text = generate(dataclasses.replace(train_state, state=state), mesh, tokenizer, t.sample_prompt,
+                        max_new_tokens=t.sample_tokens, temperature=t.sample_temperature, seed=t.seed)
+        print(f"\n--- sample ---\n{t.sample_prompt}{text}\n--------------", flush=True)
+    return last

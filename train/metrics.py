@@ -1,0 +1,80 @@
+"""Where metrics go: OUTPUT_DIR/metrics.jsonl (one flushed JSON object per logged step), TensorBoard event
+files, and a live progress bar (rich) or plain lines when the output is not a terminal."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from tensorboardX import SummaryWriter
+
+
+def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
+    """Drops lines logged after `last_step` (a resumed run logs those steps again)."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class MetricsLogger:
+    """Writes every logged step to metrics.jsonl and TensorBoard and shows progress."""
+
+    def __init__(self, output_dir: pathlib.Path, *, total_steps: int, start_step: int, progress_bar: bool,
+                 enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        self.path = output_dir / "metrics.jsonl"
+        truncate_jsonl(self.path, start_step)
+        self.file = self.path.open("a")
+        self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"), purge_step=start_step + 1)
+        self.console = Console(stderr=True)
+        self.live = progress_bar and self.console.is_terminal
+        self.progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+            disable=not self.live)
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="compiling")
+        self.progress.start()
+
+    def log(self, step: int, values: dict) -> None:
+        """Records `values` (floats) for `step` everywhere, flushing metrics.jsonl at once."""
+        if not self.enabled:
+            return
+        record = {"step": step, **values}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        for key, value in values.items():
+            self.tensorboard.add_scalar(key, value, step)
+        status = _status(values)
+        self.progress.update(self.task, completed=step, status=status)
+        if not self.live:
+            print(f"step {step:>6} {status}", file=sys.stderr, flush=True)
+
+    def advance(self, step: int) -> None:
+        if self.enabled:
+            self.progress.update(self.task, completed=step)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            self.console.print(text)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.progress.stop()
+        self.file.close()
+        self.tensorboard.close()
+
+
+def _status(values: dict) -> str:
+    parts = []
+    for key, label, fmt in (("loss", "loss", ".4f"), ("eval_loss", "eval", ".4f"), ("tokens_per_sec", "tok/s", ",.0f"),
+                            ("mfu", "MFU", ".1%"), ("learning_rate", "lr", ".2e")):
+        if key in values:
+            parts.append(f"{label} {values[key]:{fmt}}")
+    return "  ".join(parts)

@@ -1,0 +1,51 @@
+"""Model + optimizer state, initialised directly into its shardings (no full copy on one device)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+import models
+from parallel.mesh import state_shardings
+
+
+@dataclasses.dataclass
+class TrainState:
+    """`graphdef` rebuilds (model, optimizer) from `state` (an nnx.State pair); `shardings` mirrors `state`."""
+
+    graphdef: nnx.GraphDef
+    state: nnx.State
+    shardings: nnx.State
+
+    def model(self) -> nnx.Module:
+        return nnx.merge(self.graphdef, self.state)[0]
+
+
+def _build(model_config, tx, seed: int):
+    model = models.build(model_config, rngs=nnx.Rngs(seed))
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def abstract_state(model_config, tx: optax.GradientTransformation, mesh: Mesh):
+    """(graphdef, abstract state with shardings, shardings) without allocating any parameter."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _build(model_config, tx, 0)))
+    shardings = state_shardings(abstract, mesh)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return graphdef, abstract, shardings
+
+
+def create_state(model_config, tx: optax.GradientTransformation, mesh: Mesh, seed: int) -> TrainState:
+    """Fresh parameters from `seed`, each created on the devices that own its shards."""
+    graphdef, _, shardings = abstract_state(model_config, tx, mesh)
+    init = jax.jit(lambda: nnx.split(_build(model_config, tx, seed))[1], out_shardings=shardings)
+    return TrainState(graphdef, init(), shardings)
+
+
+def param_count(state: nnx.State) -> int:
+    """Number of parameters of the model half of a (model, optimizer) state."""
+    params = nnx.state(state[0], nnx.Param) if isinstance(state, tuple) else state[0].filter(nnx.Param)
+    return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,71 @@
+"""The jitted training and evaluation steps: segment-masked chunked loss, gradient accumulation, update."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from layers.loss import chunked_cross_entropy
+from models.dtypes import compute_dtype
+from parallel.mesh import batch_sharding
+
+BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+
+
+def loss_sums(model, batch, chunk_size: int):
+    """(sum of token losses, number of loss tokens) over a batch of [batch, length] arrays.
+
+    The mask is the data's loss_mask (0 on padding and where the target belongs to another document)."""
+    hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    return chunked_cross_entropy(hidden, model.output_kernel(), batch["targets"], batch["loss_mask"],
+                                 chunk_size=min(chunk_size, hidden.shape[1]), dtype=compute_dtype(model.config))
+
+
+def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
+    """Gradients of the token-mean loss over `accum_steps` micro-batches, scanned one after another."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    # row i goes to micro-batch i % accum_steps, so every micro-batch stays spread over the batch shards
+    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1),
+                         batch)
+
+    def micro_step(carry, micro_batch):
+        grads_sum, loss_sum, count = carry
+        def loss_of(p):
+            return loss_sums(nnx.merge(graphdef, p, rest), micro_batch, chunk_size)
+        (loss, n), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
+        return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, count + n), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss_sum, count), _ = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), micro)
+    denominator = jnp.maximum(count, 1.0)
+    return jax.tree.map(lambda g: g / denominator, grads), loss_sum / denominator, count
+
+
+def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int):
+    """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated."""
+    graphdef = train_state.graphdef
+
+    def step(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        grads, loss, count = accumulated_grads(model, batch, chunk_size, accum_steps)
+        optimizer.update(model, grads)
+        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "loss_tokens": count}
+        return nnx.split((model, optimizer))[1], metrics
+
+    data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(train_state.shardings, data), out_shardings=(train_state.shardings, None),
+                   donate_argnums=0)
+
+
+def make_eval_step(train_state, mesh, *, chunk_size: int):
+    """jit(state, batch) -> (loss sum, token count) on held-out data."""
+    graphdef = train_state.graphdef
+
+    def step(state, batch):
+        model, _ = nnx.merge(graphdef, state)
+        return loss_sums(model, batch, chunk_size)
+
+    data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
+    return jax.jit(step, in_shardings=(train_state.shardings, data))
