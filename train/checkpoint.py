@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def _pure(state: nnx.State) -> dict:
-    return state.to_pure_dict()
+    return nnx.to_pure_dict(state)
 
 
 class Checkpointer:

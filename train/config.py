@@ -100,7 +100,7 @@ class TrainConfig:
     output_dir: str = "runs/default"
     log_every_steps: int = 10
     eval_every_steps: int = 0  # 0 = only at the end
-    eval_batches: int = 4
+    eval_batches: int = 4  # 0 = no evaluation
     seed: int = 0
     progress_bar: bool = True
     sample_tokens: int = 120

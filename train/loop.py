@@ -132,6 +132,8 @@ def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, 
         return total / max(count, 1.0)
 
     def wants_eval(step: int) -> bool:
+        if not t.eval_batches:
+            return False
         return step == t.steps or bool(t.eval_every_steps) and step % t.eval_every_steps == 0
 
     def record(step: int, metrics: dict, eval_state=None) -> None:
@@ -165,16 +167,17 @@ def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, 
         window.update(start=time.perf_counter(), steps=0)
 
     try:
-        pending = None  # the previous step's metrics, read while the current step runs
+        pending = None  # a non-logged step's metrics, checked for finiteness while the next step runs
         for step in range(start + 1, t.steps + 1):
             state, metrics = train_step(state, global_batch(next(train_iter), sharding))
             if pending:
                 record(*pending)
-            pending = (step, metrics)
-            save = checkpoints and (step % config.checkpoint.every_steps == 0 or step == t.steps or stop.signal)
-            if save or stop.signal or wants_eval(step):  # a saved or evaluated state is checked first
-                record(step, metrics, state if wants_eval(step) else None)
                 pending = None
+            save = checkpoints and (step % config.checkpoint.every_steps == 0 or step == t.steps or stop.signal)
+            if save or stop.signal or wants_eval(step) or step % t.log_every_steps == 0:
+                record(step, metrics, state if wants_eval(step) else None)  # blocks: timing and saving need it
+            else:
+                pending = (step, metrics)
             if save:
                 checkpoints.save(step, state, train_iter, meta)
             if stop.signal:

@@ -61,7 +61,7 @@ class MetricsLogger:
 
     def message(self, text: str) -> None:
         if self.enabled:
-            self.console.print(text)
+            self.console.print(text, soft_wrap=True)
 
     def close(self) -> None:
         if not self.enabled:

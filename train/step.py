@@ -51,7 +51,7 @@ def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int):
         model, optimizer = nnx.merge(graphdef, state)
         grads, loss, count = accumulated_grads(model, batch, chunk_size, accum_steps)
         optimizer.update(model, grads)
-        metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "loss_tokens": count}
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count}
         return nnx.split((model, optimizer))[1], metrics
 
     data = {key: batch_sharding(mesh) for key in BATCH_KEYS}

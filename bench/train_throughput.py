@@ -1,0 +1,165 @@
+"""Training throughput of the tiny Llama and a ~100M-parameter Llama, with remat policies none and full.
+
+For each model and policy: build the mesh (all local devices on fsdp), create the state, compile the train
+step on a fixed random batch, run one warm-up step, then time `--steps` steps. Prints a markdown table
+(tokens/s, step time, MFU, compiled temp / argument memory, and tokens/s of remat full relative to none)
+and the device kind with the peak FLOP/s that MFU is measured against (on CPU: a measured matmul rate).
+
+    PYTHONPATH=. python bench/train_throughput.py
+    PYTHONPATH=. python bench/train_throughput.py --models 100m --steps 10 --batch 8 --seq-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import jax
+import numpy as np
+
+from parallel.mesh import batch_sharding, check_batch, make_mesh
+from train.config import Config, load_config
+from train.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
+from train.optimizer import make_optimizer
+from train.state import create_state, param_count
+from train.step import make_train_step
+
+BASE_CONFIG = "configs/tiny.yaml"
+POLICIES = ("none", "full")
+MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Overrides on configs/tiny.yaml and the default number of timed steps."""
+
+    overrides: tuple[str, ...]
+    steps: int
+
+
+MODELS = {
+    "tiny": Model(overrides=(), steps=20),
+    "100m": Model(overrides=("model.embed_dim=768", "model.num_layers=12", "model.num_heads=12",
+                             "model.num_kv_heads=4", "model.head_dim=64", "model.mlp_dim=2048",
+                             "model.vocab_size=32768", "data.seq_len=256", "train.batch_size=2"), steps=3),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    model: str
+    policy: str
+    params: int
+    seq_len: int
+    batch: int
+    tokens_per_sec: float
+    step_ms: float
+    mfu: float
+    temp_mib: float
+    argument_mib: float
+
+
+def build_config(name: str, policy: str, args: argparse.Namespace) -> Config:
+    overrides = [*MODELS[name].overrides, f"model.remat_policy={policy}"]
+    if args.batch:
+        overrides.append(f"train.batch_size={args.batch}")
+    if args.seq_len:
+        overrides.append(f"data.seq_len={args.seq_len}")
+    return load_config(BASE_CONFIG, overrides)
+
+
+def random_batch(config: Config, mesh) -> dict:
+    """A fixed batch of one document per row, placed over the mesh's batch axes."""
+    rows, length = config.train.batch_size, config.data.seq_len
+    rng = np.random.default_rng(0)
+    tokens, targets = rng.integers(0, config.model.vocab_size, size=(2, rows, length), dtype=np.int32)
+    batch = {
+        "tokens": tokens,
+        "targets": targets,
+        "segment_ids": np.ones((rows, length), np.int32),
+        "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)),
+        "loss_mask": np.ones((rows, length), np.float32),
+    }
+    sharding = batch_sharding(mesh)
+    return {key: jax.device_put(value, sharding) for key, value in batch.items()}
+
+
+def time_steps(step, state, batch, steps: int) -> float:
+    """Seconds per step over `steps` steps after one warm-up step; the donated state is fed back in."""
+    state, metrics = step(state, batch)
+    metrics["loss"].block_until_ready()
+    start = time.perf_counter()
+    for _ in range(steps):
+        state, metrics = step(state, batch)
+    metrics["loss"].block_until_ready()
+    return (time.perf_counter() - start) / steps
+
+
+def measure(name: str, policy: str, args: argparse.Namespace, peak: float) -> Result:
+    config = build_config(name, policy, args)
+    steps = args.steps or MODELS[name].steps
+    mesh = make_mesh(config.mesh)
+    check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
+    train_state = create_state(config.model, make_optimizer(config.optimizer, config.train.steps), mesh, seed=0)
+    params = param_count(train_state.state)
+    with jax.set_mesh(mesh):
+        jitted = make_train_step(train_state, mesh, chunk_size=config.model.loss_chunk_size,
+                                 accum_steps=config.train.grad_accum_steps)
+        batch = random_batch(config, mesh)
+        compiled = jitted.lower(train_state.state, batch).compile()
+        seconds = time_steps(compiled, train_state.state, batch, steps)
+    memory = compiled.memory_analysis()
+    tokens_per_sec = config.train.batch_size * config.data.seq_len / seconds
+    return Result(model=name, policy=policy, params=params, seq_len=config.data.seq_len,
+                  batch=config.train.batch_size, tokens_per_sec=tokens_per_sec, step_ms=1e3 * seconds,
+                  mfu=tokens_per_sec * flops_per_token(config.model, config.data.seq_len) / peak,
+                  temp_mib=memory.temp_size_in_bytes / MIB, argument_mib=memory.argument_size_in_bytes / MIB)
+
+
+def table(results: list[Result]) -> str:
+    baseline = {r.model: r.tokens_per_sec for r in results if r.policy == "none"}
+    lines = ["| model | remat | params (M) | seq_len | batch | tokens/s | step (ms) | MFU | temp (MiB) "
+             "| args (MiB) | tokens/s vs none |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        ratio = f"{r.tokens_per_sec / baseline[r.model]:.2f}" if r.model in baseline else "-"
+        lines.append(f"| {r.model} | {r.policy} | {r.params / 1e6:.1f} | {r.seq_len} | {r.batch} "
+                     f"| {r.tokens_per_sec:,.0f} | {r.step_ms:.1f} | {r.mfu:.1%} | {r.temp_mib:.1f} "
+                     f"| {r.argument_mib:.1f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,100m", help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps (default: 20 tiny, 3 100m)")
+    parser.add_argument("--batch", type=int, default=0, help="global batch rows for every model "
+                        "(default: 8 tiny, 2 100m)")
+    parser.add_argument("--seq-len", type=int, default=0, help="tokens per row for every model (default: 256)")
+    args = parser.parse_args()
+    args.models = args.models.split(",")
+    unknown = [name for name in args.models if name not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    return args
+
+
+def device_line(peak_per_device: float) -> str:
+    kind = jax.devices()[0].device_kind
+    source = "bf16 dense peak from train/flops.py" if kind.startswith(tuple(PEAK_FLOPS)) else "measured float32 matmul"
+    return f"device: {jax.device_count()} x {kind}; peak {peak_per_device / 1e12:.3f} TFLOP/s per device ({source})"
+
+
+def main() -> None:
+    args = parse_args()
+    peak_per_device = peak_flops_per_device()
+    results = [measure(name, policy, args, peak_per_device * jax.device_count())
+               for name in args.models for policy in POLICIES]
+    print(table(results))
+    print()
+    print(device_line(peak_per_device))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Exact resume: a run interrupted (SIGTERM, SIGKILL, SIGKILL mid-checkpoint, corrupt newest checkpoint) and
+restarted with the same command logs the same per-step losses, bit for bit, as an uninterrupted run."""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+STEPS = 8
+OVERRIDES = [
+    "model.embed_dim=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
+    "model.mlp_dim=128", "model.remat_policy=none", "data.seq_len=64", "data.max_documents=60",
+    "train.batch_size=8", "train.progress_bar=false", "train.sample_tokens=0", "train.log_every_steps=1",
+    "train.eval_batches=0", "optimizer.warmup_steps=2", f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2",
+    "checkpoint.keep=3",
+]
+
+
+def command(output: pathlib.Path, steps: int = STEPS) -> list[str]:
+    return [sys.executable, "-m", "train", "configs/tiny.yaml", *OVERRIDES, f"train.steps={steps}",
+            f"train.output_dir={output}"]
+
+
+def start(output, steps=STEPS) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen(command(output, steps), cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(output, steps=STEPS) -> str:
+    process = start(output, steps)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    return err
+
+
+def losses(output: pathlib.Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert steps == sorted(set(steps)), f"steps logged twice or out of order: {steps}"
+    return {r["step"]: r["loss"] for r in records}
+
+
+def logged_steps(output: pathlib.Path) -> int:
+    path = output / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_for(condition, process, timeout=240):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"run ended early: {process.communicate()[1][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.002)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    output = tmp_path_factory.mktemp("uninterrupted")
+    finish(output)
+    result = losses(output)
+    assert sorted(result) == list(range(1, STEPS + 1))
+    return result
+
+
+def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
+    process = start(tmp_path)
+    wait_for(lambda: logged_steps(tmp_path) >= 3, process)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "rerun the same command to resume" in err
+    stopped_at = max(losses(tmp_path))
+    assert stopped_at < STEPS and (tmp_path / "checkpoints" / str(stopped_at)).is_dir()
+    finish(tmp_path)
+    assert losses(tmp_path) == reference
+
+
+def test_sigkill_resumes_exactly(reference, tmp_path):
+    process = start(tmp_path)
+    wait_for(lambda: logged_steps(tmp_path) >= 5, process)
+    process.kill()
+    process.communicate()
+    finish(tmp_path)
+    assert losses(tmp_path) == reference
+
+
+def test_sigkill_while_a_checkpoint_is_written(reference, tmp_path):
+    process = start(tmp_path)
+    checkpoints = tmp_path / "checkpoints"
+    writing = lambda: checkpoints.is_dir() and any("tmp" in p.name for p in checkpoints.iterdir())  # noqa: E731
+    wait_for(writing, process)
+    process.kill()
+    process.communicate()
+    finish(tmp_path)
+    assert losses(tmp_path) == reference
+    assert not any("tmp" in p.name for p in checkpoints.iterdir())
+
+
+def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(reference, tmp_path):
+    finish(tmp_path, steps=6)  # decay_steps is fixed, so stopping at 6 and going on to 8 changes nothing
+    newest = tmp_path / "checkpoints" / "6"
+    for path in (newest / "model").rglob("*"):
+        if path.is_file() and path.stat().st_size > 0:
+            path.write_bytes(b"garbage")
+    err = finish(tmp_path)
+    assert "cannot be restored" in err and "6.corrupt" in err
+    assert (tmp_path / "checkpoints" / "6.corrupt").is_dir()
+    assert losses(tmp_path) == reference
+
+
+def test_leftover_partial_checkpoint_is_ignored(reference, tmp_path):
+    finish(tmp_path, steps=4)
+    partial = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp"
+    shutil.copytree(tmp_path / "checkpoints" / "4", partial)
+    shutil.rmtree(partial / "optimizer")
+    finish(tmp_path)
+    assert losses(tmp_path) == reference
+    assert not partial.exists()

@@ -1,0 +1,101 @@
+"""Training runs in-process: loss falls and outputs are written; fine-tuning from a checkpoint; bad input stops
+with a clear error before anything is lost."""
+
+import json
+import pathlib
+import re
+
+import pytest
+
+from train.checkpoint import Checkpointer
+from train.config import ConfigError, load_config
+from train.errors import NonFiniteLoss
+from train.loop import run
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+SMALL = [
+    "model.embed_dim=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
+    "model.mlp_dim=128", "model.remat_policy=none", "data.seq_len=64", "data.max_documents=60",
+    "train.batch_size=8", "train.progress_bar=false", "train.sample_tokens=0", "train.log_every_steps=1",
+    "train.eval_batches=1", "optimizer.warmup_steps=5", "optimizer.learning_rate=3e-3",
+]
+
+
+def config(tmp_path, *overrides):
+    return load_config(REPO / "configs" / "tiny.yaml", [*SMALL, f"train.output_dir={tmp_path}", *overrides])
+
+
+def records(output):
+    return [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    output = tmp_path_factory.mktemp("trained")
+    run(config(output, "train.steps=40", "checkpoint.every_steps=20", "train.eval_every_steps=20",
+               "train.sample_tokens=8"))
+    return output
+
+
+def test_loss_falls_and_outputs_are_written(trained, capfd):
+    lines = records(trained)
+    assert [r["step"] for r in lines] == list(range(1, 41))
+    for record in lines:
+        assert {"step", "loss", "learning_rate", "tokens_per_sec", "grad_norm", "mfu"} <= set(record)
+    first, last = sum(r["loss"] for r in lines[:3]) / 3, sum(r["loss"] for r in lines[-3:]) / 3
+    assert last < first - 1.5, (first, last)
+    assert [r["step"] for r in lines if "eval_loss" in r] == [20, 40]
+    assert list((trained / "tensorboard").glob("events.out.tfevents.*"))
+    assert (trained / "config.yaml").exists()
+    assert sorted(int(p.name) for p in (trained / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
+
+
+def test_sample_is_printed(tmp_path, capfd):
+    run(config(tmp_path, "train.steps=2", "checkpoint.enabled=false", "train.sample_tokens=8",
+               "train.eval_batches=0"))
+    assert "--- sample ---" in capfd.readouterr().out
+
+
+def test_params_only_init_from_checkpoint_seeds_fine_tuning(trained, tmp_path):
+    fresh_first = records(trained)[0]["loss"]
+    trained_last = records(trained)[-1]["loss"]
+    run(config(tmp_path / "tuned", "train.steps=1", f"checkpoint.init_from={trained / 'checkpoints'}",
+               "train.eval_batches=0"))
+    tuned_first = records(tmp_path / "tuned")[0]["loss"]
+    assert abs(tuned_first - trained_last) < abs(tuned_first - fresh_first), (fresh_first, trained_last, tuned_first)
+
+
+def test_missing_data_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="/no/such/corpus"):
+        run(config(tmp_path, "data.source=/no/such/corpus"))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_empty_corpus(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("")
+    with pytest.raises(ValueError, match="empty corpus"):
+        run(config(tmp_path / "out", f"data.source={corpus}"))
+
+
+def test_tokenizer_larger_than_model_vocab(tmp_path):
+    with pytest.raises(ConfigError, match=r"259 tokens but model.vocab_size=128"):
+        run(config(tmp_path, "model.vocab_size=128"))
+
+
+def test_resuming_with_another_model_is_refused(trained):
+    with pytest.raises(ConfigError, match="model.embed_dim was 64, now 128"):
+        run(config(trained, "model.embed_dim=128"))
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    with pytest.raises(NonFiniteLoss) as info:
+        run(config(tmp_path, "train.steps=8", "optimizer.learning_rate=1e30", "optimizer.warmup_steps=0",
+                   "optimizer.clip_norm=0", "checkpoint.every_steps=1", "train.eval_batches=0"))
+    match = re.match(r"loss is (nan|inf|-inf) at step (\d+) .* Last good checkpoint: step (\d+) ", str(info.value))
+    assert match and int(match[3]) == int(match[2]) - 1 >= 1, str(info.value)
+    assert "optimizer.learning_rate" in str(info.value)
+    checkpoints = Checkpointer(tmp_path / "checkpoints", keep=3)
+    assert checkpoints.manager.latest_step() == int(match[3])
+    checkpoints.close()
