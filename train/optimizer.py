@@ -20,8 +20,8 @@ def decay_mask(params):
     """True for parameters that get weight decay: everything but norm scales and biases."""
 
     def keep(path, _):
-        name = getattr(path[-1], "key", getattr(path[-1], "name", str(path[-1])))
-        return name not in NO_DECAY
+        names = [entry.key for entry in path if isinstance(getattr(entry, "key", None), str)]
+        return names[-1] not in NO_DECAY
 
     return jax.tree_util.tree_map_with_path(keep, params)
 

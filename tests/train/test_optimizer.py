@@ -1,0 +1,44 @@
+"""Optimizer: schedule shape, weight-decay mask, gradient accumulation equals one big batch."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+import models
+from train.config import ModelConfig, OptimizerConfig
+from train.optimizer import decay_mask, learning_rate_schedule
+from train.step import accumulated_grads
+
+
+def test_warmup_then_cosine_to_min_ratio():
+    schedule = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1), 110)
+    assert float(schedule(0)) == 0.0 and float(schedule(5)) == pytest.approx(0.5)
+    assert float(schedule(10)) == pytest.approx(1.0)
+    assert float(schedule(60)) == pytest.approx(0.55, rel=1e-5)  # half way down the cosine
+    assert float(schedule(110)) == pytest.approx(0.1)
+
+
+def test_weight_decay_spares_norm_scales():
+    model = models.build(ModelConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                                     head_dim=8, mlp_dim=32), rngs=nnx.Rngs(0))
+    mask = nnx.to_pure_dict(decay_mask(nnx.state(model, nnx.Param)))
+    assert mask["layers"]["attn_norm"]["scale"] is False and mask["final_norm"]["scale"] is False
+    assert mask["layers"]["attn"]["q"] is True and mask["embed"]["embedding"] is True
+
+
+def test_gradient_accumulation_equals_one_batch():
+    config = ModelConfig(vocab_size=32, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
+                         mlp_dim=32, dtype="float32", remat_policy="none")
+    model = models.build(config, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    segment_ids = np.repeat([[1] * 10 + [2] * 4 + [0] * 2], 4, 0).astype(np.int32)
+    segment_ids[1, 8:] = 0  # rows with different token counts: the mean must weight tokens, not rows
+    batch = dict(tokens=rng.integers(0, 32, (4, 16)).astype(np.int32), targets=rng.integers(0, 32, (4, 16)).astype(np.int32),
+                 segment_ids=segment_ids, positions=np.tile(np.arange(16, dtype=np.int32), (4, 1)),
+                 loss_mask=(segment_ids > 0).astype(np.float32))
+    one = accumulated_grads(model, batch, 8, 1)
+    four = accumulated_grads(model, batch, 8, 4)
+    np.testing.assert_allclose(one[1], four[1], rtol=1e-6)
+    assert float(one[2]) == float(four[2]) == float(batch["loss_mask"].sum())
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), one[0], four[0])
