@@ -49,13 +49,17 @@ class Stop:
             signal.signal(sig, handler)
 
 
+RUNTIME_FIELDS = ("dtype", "remat_policy", "loss_chunk_size")  # may change between restarts of one run
+
+
 def check_run_directory(output: pathlib.Path, config: Config) -> None:
     """A run directory belongs to one model: resuming with another architecture is refused, not overwritten."""
     saved = output / "config.yaml"
     if saved.exists():
         previous = yaml.safe_load(saved.read_text()).get("model")
         current = to_dict(config)["model"]
-        changed = sorted(k for k in current if previous is None or previous.get(k) != current[k])
+        changed = sorted(k for k in current if k not in RUNTIME_FIELDS
+                         and (previous is None or previous.get(k) != current[k]))
         if changed:
             raise ConfigError(f"train.output_dir={str(output)!r} holds a run of a different model (model.{changed[0]}"
                               f" was {None if previous is None else previous.get(changed[0])!r}, now "

@@ -46,6 +46,5 @@ def create_state(model_config, tx: optax.GradientTransformation, mesh: Mesh, see
 
 
 def param_count(state: nnx.State) -> int:
-    """Number of parameters of the model half of a (model, optimizer) state."""
-    params = nnx.state(state[0], nnx.Param) if isinstance(state, tuple) else state[0].filter(nnx.Param)
-    return sum(x.size for x in jax.tree.leaves(params))
+    """Number of parameters in the model half of a (model, optimizer) state."""
+    return sum(x.size for x in jax.tree.leaves(state[0].filter(nnx.Param)))
