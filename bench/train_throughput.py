@@ -1,22 +1,26 @@
 """Training throughput of the tiny Llama and a ~100M-parameter Llama, with remat policies none and full.
 
-For each model and policy: build the mesh (all local devices on fsdp), create the state, compile the train
-step on a fixed random batch, run one warm-up step, then time `--steps` steps. Prints a markdown table
-(tokens/s, step time, MFU, compiled temp / argument memory, and tokens/s of remat full relative to none)
-and the device kind with the peak FLOP/s that MFU is measured against (on CPU: a measured matmul rate).
+For each model, both policies get their own state and compiled train step (mesh: all local devices on
+fsdp) on a fixed random batch, one warm-up step each, then `--steps` timed steps each, alternating
+between the policies so that a slow stretch of a shared machine hits both alike. Prints a markdown table
+(median step time, tokens/s, MFU, compiled temp / argument memory, tokens/s of each policy relative to
+remat none) and the device kind with the peak FLOP/s that MFU is measured against (on CPU: a measured
+float32 matmul rate).
 
     PYTHONPATH=. python bench/train_throughput.py
-    PYTHONPATH=. python bench/train_throughput.py --models 100m --steps 10 --batch 8 --seq-len 1024
+    PYTHONPATH=. python bench/train_throughput.py --models 100m --steps 20 --batch 8 --seq-len 1024
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import statistics
 import time
 
 import jax
 import numpy as np
+from flax import nnx
 
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.config import Config, load_config
@@ -32,7 +36,7 @@ MIB = 2**20
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """Overrides on configs/tiny.yaml and the default number of timed steps."""
+    """Overrides on configs/tiny.yaml and the default number of timed steps per policy."""
 
     overrides: tuple[str, ...]
     steps: int
@@ -44,6 +48,18 @@ MODELS = {
                              "model.num_kv_heads=4", "model.head_dim=64", "model.mlp_dim=2048",
                              "model.vocab_size=32768", "data.seq_len=256", "train.batch_size=2"), steps=3),
 }
+
+
+@dataclasses.dataclass
+class Run:
+    """One policy's compiled step, its (donated, fed back) state, its batch and its timed step seconds."""
+
+    config: Config
+    step: jax.stages.Compiled
+    state: nnx.State
+    batch: dict
+    params: int
+    seconds: list[float] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,36 +101,48 @@ def random_batch(config: Config, mesh) -> dict:
     return {key: jax.device_put(value, sharding) for key, value in batch.items()}
 
 
-def time_steps(step, state, batch, steps: int) -> float:
-    """Seconds per step over `steps` steps after one warm-up step; the donated state is fed back in."""
-    state, metrics = step(state, batch)
-    metrics["loss"].block_until_ready()
-    start = time.perf_counter()
-    for _ in range(steps):
-        state, metrics = step(state, batch)
-    metrics["loss"].block_until_ready()
-    return (time.perf_counter() - start) / steps
-
-
-def measure(name: str, policy: str, args: argparse.Namespace, peak: float) -> Result:
-    config = build_config(name, policy, args)
-    steps = args.steps or MODELS[name].steps
-    mesh = make_mesh(config.mesh)
+def prepare(config: Config, mesh) -> Run:
+    """State, batch and compiled train step for `config`, after one warm-up step."""
     check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
     train_state = create_state(config.model, make_optimizer(config.optimizer, config.train.steps), mesh, seed=0)
-    params = param_count(train_state.state)
     with jax.set_mesh(mesh):
         jitted = make_train_step(train_state, mesh, chunk_size=config.model.loss_chunk_size,
                                  accum_steps=config.train.grad_accum_steps)
         batch = random_batch(config, mesh)
-        compiled = jitted.lower(train_state.state, batch).compile()
-        seconds = time_steps(compiled, train_state.state, batch, steps)
-    memory = compiled.memory_analysis()
+        run = Run(config, jitted.lower(train_state.state, batch).compile(), train_state.state, batch,
+                  param_count(train_state.state))
+        timed_step(run)
+    return run
+
+
+def timed_step(run: Run) -> float:
+    """Seconds of one train step, waited for through its loss; the returned state replaces the donated one."""
+    start = time.perf_counter()
+    run.state, metrics = run.step(run.state, run.batch)
+    metrics["loss"].block_until_ready()
+    return time.perf_counter() - start
+
+
+def result(name: str, policy: str, run: Run, peak: float) -> Result:
+    config, memory = run.config, run.step.memory_analysis()
+    seconds = statistics.median(run.seconds)
     tokens_per_sec = config.train.batch_size * config.data.seq_len / seconds
-    return Result(model=name, policy=policy, params=params, seq_len=config.data.seq_len,
+    return Result(model=name, policy=policy, params=run.params, seq_len=config.data.seq_len,
                   batch=config.train.batch_size, tokens_per_sec=tokens_per_sec, step_ms=1e3 * seconds,
                   mfu=tokens_per_sec * flops_per_token(config.model, config.data.seq_len) / peak,
                   temp_mib=memory.temp_size_in_bytes / MIB, argument_mib=memory.argument_size_in_bytes / MIB)
+
+
+def measure(name: str, args: argparse.Namespace, peak: float) -> list[Result]:
+    """Both policies of one model, their timed steps interleaved."""
+    configs = {policy: build_config(name, policy, args) for policy in POLICIES}
+    mesh = make_mesh(configs["none"].mesh)
+    runs = {policy: prepare(config, mesh) for policy, config in configs.items()}
+    with jax.set_mesh(mesh):
+        for _ in range(args.steps or MODELS[name].steps):
+            for run in runs.values():
+                run.seconds.append(timed_step(run))
+    return [result(name, policy, run, peak) for policy, run in runs.items()]
 
 
 def table(results: list[Result]) -> str:
@@ -123,17 +151,22 @@ def table(results: list[Result]) -> str:
              "| args (MiB) | tokens/s vs none |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        ratio = f"{r.tokens_per_sec / baseline[r.model]:.2f}" if r.model in baseline else "-"
         lines.append(f"| {r.model} | {r.policy} | {r.params / 1e6:.1f} | {r.seq_len} | {r.batch} "
                      f"| {r.tokens_per_sec:,.0f} | {r.step_ms:.1f} | {r.mfu:.1%} | {r.temp_mib:.1f} "
-                     f"| {r.argument_mib:.1f} | {ratio} |")
+                     f"| {r.argument_mib:.1f} | {r.tokens_per_sec / baseline[r.model]:.2f} |")
     return "\n".join(lines)
+
+
+def device_line(peak_per_device: float) -> str:
+    kind = jax.devices()[0].device_kind
+    source = "dense bf16 peak from train/flops.py" if kind.startswith(tuple(PEAK_FLOPS)) else "measured float32 matmul"
+    return f"device: {jax.device_count()} x {kind}; peak {peak_per_device / 1e12:.3f} TFLOP/s per device ({source})"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,100m", help=f"comma-separated, from {', '.join(MODELS)}")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps (default: 20 tiny, 3 100m)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per policy (default: 20 tiny, 3 100m)")
     parser.add_argument("--batch", type=int, default=0, help="global batch rows for every model "
                         "(default: 8 tiny, 2 100m)")
     parser.add_argument("--seq-len", type=int, default=0, help="tokens per row for every model (default: 256)")
@@ -145,17 +178,11 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def device_line(peak_per_device: float) -> str:
-    kind = jax.devices()[0].device_kind
-    source = "bf16 dense peak from train/flops.py" if kind.startswith(tuple(PEAK_FLOPS)) else "measured float32 matmul"
-    return f"device: {jax.device_count()} x {kind}; peak {peak_per_device / 1e12:.3f} TFLOP/s per device ({source})"
-
-
 def main() -> None:
     args = parse_args()
     peak_per_device = peak_flops_per_device()
-    results = [measure(name, policy, args, peak_per_device * jax.device_count())
-               for name in args.models for policy in POLICIES]
+    peak = peak_per_device * jax.device_count()
+    results = [r for name in args.models for r in measure(name, args, peak)]
     print(table(results))
     print()
     print(device_line(peak_per_device))
