@@ -105,7 +105,7 @@ class TrainConfig:
     progress_bar: bool = True
     sample_tokens: int = 120
     sample_prompt: str = "def "
-    sample_temperature: float = 0.0
+    sample_temperature: float = 0.8  # 0 = greedy
     peak_tflops_per_device: float = 0.0  # 0 = look up, or measure on CPU
 
 

@@ -35,8 +35,8 @@ class MetricsLogger:
         self.console = Console(stderr=True)
         self.live = progress_bar and self.console.is_terminal
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[status]}"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
+            TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
             disable=not self.live)
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="compiling")
         self.progress.start()
@@ -50,10 +50,11 @@ class MetricsLogger:
         self.file.flush()
         for key, value in values.items():
             self.tensorboard.add_scalar(key, value, step)
-        status = _status(values)
-        self.progress.update(self.task, completed=step, status=status)
+        self.progress.update(self.task, completed=step, status=_status(values, ("loss", "tokens_per_sec", "mfu")))
         if not self.live:
-            print(f"step {step:>6} {status}", file=sys.stderr, flush=True)
+            print(f"step {step:>6} {_status(values, FORMATS)}", file=sys.stderr, flush=True)
+        elif "eval_loss" in values:
+            self.console.print(f"step {step}: {_status(values, ('loss', 'eval_loss'))}")
 
     def advance(self, step: int) -> None:
         if self.enabled:
@@ -71,10 +72,10 @@ class MetricsLogger:
         self.tensorboard.close()
 
 
-def _status(values: dict) -> str:
-    parts = []
-    for key, label, fmt in (("loss", "loss", ".4f"), ("eval_loss", "eval", ".4f"), ("tokens_per_sec", "tok/s", ",.0f"),
-                            ("mfu", "MFU", ".1%"), ("learning_rate", "lr", ".2e")):
-        if key in values:
-            parts.append(f"{label} {values[key]:{fmt}}")
-    return "  ".join(parts)
+FORMATS = {"loss": ("loss", ".4f"), "eval_loss": ("eval", ".4f"), "tokens_per_sec": ("tok/s", ",.0f"),
+           "mfu": ("MFU", ".1%"), "learning_rate": ("lr", ".2e")}
+
+
+def _status(values: dict, keys) -> str:
+    """'loss 2.3100  tok/s 2,900 ...' for those of `keys` present in `values`."""
+    return "  ".join(f"{FORMATS[k][0]} {values[k]:{FORMATS[k][1]}}" for k in keys if k in values)
