@@ -105,8 +105,7 @@ def run(config: Config) -> dict:
             params = restore_model_params(config.checkpoint.init_from, abstract[0])
             train_state.state[0] = params
     with jax.set_mesh(mesh):
-        result = _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, main_process)
-    return result
+        return _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, main_process)
 
 
 def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, main_process) -> dict:

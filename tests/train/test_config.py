@@ -1,6 +1,8 @@
 """Config loading: `base:` inheritance, dotted overrides, and each validation error."""
 
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -79,3 +81,10 @@ def test_base_cycle_and_missing_file(tmp_path):
         load_config(tmp_path / "a.yaml")
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_cli_reports_a_bad_config_without_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "train", str(CONFIGS / "tiny.yaml"), "train.stpes=3"],
+                            cwd=CONFIGS.parent, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "error: unknown key 'train.stpes'" in result.stderr and "Traceback" not in result.stderr
