@@ -169,6 +169,7 @@ def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, 
         last = {"step": step, **values}
         window.update(start=time.perf_counter(), steps=0)
 
+    stopped = False
     try:
         pending = None  # a non-logged step's metrics, checked for finiteness while the next step runs
         for step in range(start + 1, t.steps + 1):
@@ -176,16 +177,18 @@ def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, 
             if pending:
                 record(*pending)
                 pending = None
-            save = checkpoints and (step % config.checkpoint.every_steps == 0 or step == t.steps or stop.signal)
-            if save or stop.signal or wants_eval(step) or step % t.log_every_steps == 0:
+            stopping = stop.signal is not None  # read once: a signal arriving later is handled after the next step
+            save = checkpoints and (step % config.checkpoint.every_steps == 0 or step == t.steps or stopping)
+            if save or stopping or wants_eval(step) or step % t.log_every_steps == 0:
                 record(step, metrics, state if wants_eval(step) else None)  # blocks: timing and saving need it
             else:
                 pending = (step, metrics)
             if save:
                 checkpoints.save(step, state, train_iter, meta)
-            if stop.signal:
-                logger.message(f"stopped by signal {stop.signal} at step {step}; checkpoint saved, "
-                               f"rerun the same command to resume")
+            if stopping:
+                saved = "checkpoint saved, rerun the same command to resume" if checkpoints else "checkpoints are off"
+                logger.message(f"stopped by signal {stop.signal} at step {step}; {saved}")
+                stopped = True
                 break
     finally:
         train_iter.close()
@@ -194,7 +197,7 @@ def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, 
             checkpoints.wait()
             checkpoints.close()
         logger.close()
-    if stop.signal:
+    if stopped:
         raise SystemExit(128 + stop.signal)
     if main_process and t.sample_tokens and start < t.steps:
         text = generate(dataclasses.replace(train_state, state=state), mesh, tokenizer, t.sample_prompt,

@@ -21,9 +21,6 @@ class TrainState:
     state: nnx.State
     shardings: nnx.State
 
-    def model(self) -> nnx.Module:
-        return nnx.merge(self.graphdef, self.state)[0]
-
 
 def _build(model_config, tx, seed: int):
     model = models.build(model_config, rngs=nnx.Rngs(seed))
