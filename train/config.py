@@ -287,6 +287,8 @@ def validate(config: Config) -> None:
         _require(get(config, key) >= 0, f"{key}={get(config, key)!r} must be >= 0")
     _require(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
     _require(0 <= d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction!r} must be in [0, 1)")
+    _require(d.eval_fraction > 0 or t.eval_batches == 0,
+             f"data.eval_fraction=0 holds out no documents, so train.eval_batches={t.eval_batches} must be 0")
     _require(m.num_heads % m.num_kv_heads == 0,
              f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}")
     _require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")

@@ -26,7 +26,6 @@ from train.flops import flops_per_token, peak_flops_per_device
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule, make_optimizer
 from train.sample import generate
-from train.sources import open_source
 from train.state import TrainState, abstract_state, create_state
 from train.step import make_eval_step, make_train_step
 from train.tokenizer import make_tokenizer
@@ -78,7 +77,10 @@ def run(config: Config) -> dict:
     if tokenizer.vocab_size > config.model.vocab_size:
         raise ConfigError(f"tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
                           f"model.vocab_size={config.model.vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}")
-    open_source(config.data)  # fails early on a missing path or an empty corpus
+    local_rows = t.batch_size // jax.process_count()
+    data_kw = dict(batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count())
+    datasets = {split: build_dataset(config.data, tokenizer, split=split, **data_kw)  # fails early on bad data
+                for split in (("train", "eval") if t.eval_batches else ("train",))}
     mesh = make_mesh(config.mesh)
     check_batch(t.batch_size, t.grad_accum_steps, mesh)
     check_run_directory(output, config)
@@ -87,9 +89,7 @@ def run(config: Config) -> dict:
     if main_process:
         (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
 
-    local_rows = t.batch_size // jax.process_count()
-    data_kw = dict(batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count())
-    train_iter = iter(build_dataset(config.data, tokenizer, split="train", **data_kw))
+    train_iter = iter(datasets["train"])
     tx = make_optimizer(config.optimizer, t.steps)
     graphdef, abstract, shardings = abstract_state(config.model, tx, mesh)
     checkpoints = Checkpointer(output / "checkpoints", keep=config.checkpoint.keep,
@@ -105,10 +105,11 @@ def run(config: Config) -> dict:
             params = restore_model_params(config.checkpoint.init_from, abstract[0])
             train_state.state[0] = params
     with jax.set_mesh(mesh):
-        return _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, main_process)
+        return _loop(config, train_state, mesh, train_iter, datasets.get("eval"), checkpoints, start, tokenizer,
+                     main_process)
 
 
-def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, main_process) -> dict:
+def _loop(config, train_state, mesh, train_iter, eval_dataset, checkpoints, start, tokenizer, main_process) -> dict:
     t, output = config.train, pathlib.Path(config.train.output_dir)
     chunk = config.model.loss_chunk_size
     train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps)
@@ -127,8 +128,7 @@ def _loop(config, train_state, mesh, train_iter, checkpoints, start, tokenizer, 
     state = train_state.state
 
     def evaluate(state) -> float:
-        eval_iter = iter(build_dataset(config.data, tokenizer, split="eval", batch_size=t.batch_size // jax.process_count(),
-                                       shard_index=jax.process_index(), shard_count=jax.process_count()))
+        eval_iter = iter(eval_dataset)  # from its start: every evaluation sees the same held-out batches
         sums = [eval_step(state, global_batch(next(eval_iter), sharding)) for _ in range(t.eval_batches)]
         eval_iter.close()
         total, count = (sum(float(s[i]) for s in sums) for i in (0, 1))

@@ -66,6 +66,7 @@ def test_llama_configs_have_expected_fields():
     (["mesh.tensor=3", "model.num_heads=4"], ["model.num_heads=4", "mesh.tensor=3"]),
     (["checkpoint.init_from=/does/not/exist"], ["checkpoint.init_from", "/does/not/exist", "does not exist"]),
     (["train.steps"], ["train.steps", "section.key=value"]),
+    (["data.eval_fraction=0"], ["data.eval_fraction=0", "train.eval_batches=4", "must be 0"]),
 ])
 def test_validation_errors_name_key_value_and_allowed(overrides, words):
     with pytest.raises(ConfigError) as info:
