@@ -169,6 +169,7 @@ def build_dataset(
     shard_index: int = 0,
     shard_count: int = 1,
     num_epochs: int | None = None,
+    source: Source | None = None,
 ) -> grain.IterDataset:
     """Batches of this process's share of `split`, as described in the module docstring.
 
@@ -178,7 +179,8 @@ def build_dataset(
     different deterministic order; eval keeps document order. num_epochs=None repeats forever; with
     a finite count the last incomplete batch is dropped, so a small split can give no batch at all,
     and processes can get different batch counts. Process `shard_index` of `shard_count` takes every
-    shard_count-th document of the (shuffled, repeated) stream.
+    shard_count-th document of the (shuffled, repeated) stream. `source` (default: open_source(cfg))
+    lets the train and eval splits share one opened, indexed source.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not allowed; choose one of {', '.join(SPLITS)}")
@@ -191,7 +193,7 @@ def build_dataset(
     if cfg.packing not in PACKINGS:
         raise ValueError(f"data.packing={cfg.packing!r} is not allowed; choose one of {', '.join(PACKINGS)}")
 
-    source = open_source(cfg)
+    source = open_source(cfg) if source is None else source
     train_idx, eval_idx = split_indices(len(source), cfg.eval_fraction, cfg.seed)
     doc_indices = train_idx if split == "train" else eval_idx
     if len(doc_indices) == 0:

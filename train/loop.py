@@ -26,6 +26,7 @@ from train.flops import flops_per_token, peak_flops_per_device
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule, make_optimizer
 from train.sample import generate
+from train.sources import open_source
 from train.state import TrainState, abstract_state, create_state
 from train.step import make_eval_step, make_train_step
 from train.tokenizer import make_tokenizer
@@ -78,8 +79,10 @@ def run(config: Config) -> dict:
         raise ConfigError(f"tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
                           f"model.vocab_size={config.model.vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}")
     local_rows = t.batch_size // jax.process_count()
-    data_kw = dict(batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count())
-    datasets = {split: build_dataset(config.data, tokenizer, split=split, **data_kw)  # fails early on bad data
+    source = open_source(config.data)  # opened and indexed once for both splits; fails early on bad data
+    data_kw = dict(batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count(),
+                   source=source)
+    datasets = {split: build_dataset(config.data, tokenizer, split=split, **data_kw)
                 for split in (("train", "eval") if t.eval_batches else ("train",))}
     mesh = make_mesh(config.mesh)
     check_batch(t.batch_size, t.grad_accum_steps, mesh)
