@@ -1,25 +1,42 @@
-"""Everything that knows about devices: mesh and axis rules, attention strategies, sharding constraints.
-
-Models and layers call `parallel.attention` and `parallel.shard` with logical names only.
+"""Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, sharding
+constraints. Models and layers call `parallel.attention` and `parallel.shard` with logical names only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 
-from parallel.dense import dense_attention
+from parallel import plan as plans
 from parallel.mesh import logical_spec
+from parallel.reorder import STRATEGIES as LAYOUTS
+from parallel.strategies import STRATEGIES
 
-STRATEGIES = {"none": dense_attention}
 
+def attention(q, k, v, *, segment_ids=None, causal=True, scale=None, mesh=None, strategy=None, axis=None,
+              layout=None, stripe=None):
+    """Attention over the (possibly sharded and reordered) sequence.
 
-def attention(q, k, v, *, segment_ids=None, causal=True, scale=None, strategy="none"):
-    """Attention over the sequence; q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d]
-    -> [batch, length, heads, dv]. `segment_ids` [batch, length] (0 = padding) restricts attention to one
-    document; causality refers to the original token order."""
-    if strategy not in STRATEGIES:
-        raise ValueError(f"attention strategy {strategy!r} is unknown; available: {', '.join(STRATEGIES)}")
-    return STRATEGIES[strategy](q, k, v, segment_ids=segment_ids, causal=causal, scale=scale)
+    q: [batch, length, heads, dqk], k: [batch, length, kv_heads, dqk], v: [batch, length, kv_heads, dv] global
+    arrays with length sharded over mesh `axis` and ordered by `layout` (contiguous, dual_chunk or striped with
+    `stripe`, for the size of `axis`) -> [batch, length, heads, dv] in the same order. `segment_ids`
+    [batch, length] (0 = padding) keeps attention within a document; causality refers to the original order.
+    Arguments left None come from the plan installed by `parallel.plan.use` (default: strategy "none",
+    axis "context", contiguous layout); mesh None = the mesh set by `jax.set_mesh`.
+    """
+    given = dict(strategy=strategy, axis=axis, layout=layout, stripe=stripe, mesh=mesh)
+    plan = dataclasses.replace(plans.current(), **{key: value for key, value in given.items() if value is not None})
+    if plan.strategy not in STRATEGIES:
+        raise ValueError(f"attention strategy {plan.strategy!r} is unknown; available: {', '.join(STRATEGIES)}")
+    if plan.layout not in LAYOUTS:
+        raise ValueError(f"sequence layout {plan.layout!r} is unknown; available: {', '.join(LAYOUTS)}")
+    mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
+    if (plan.strategy != "none" or plan.layout != "contiguous") and (mesh is None or mesh.empty):
+        raise ValueError(f"attention strategy {plan.strategy!r} with layout {plan.layout!r} needs a mesh: pass "
+                         f"mesh= or call inside jax.set_mesh(mesh)")
+    return STRATEGIES[plan.strategy](q, k, v, segment_ids=segment_ids, causal=causal,
+                                     scale=q.shape[-1] ** -0.5 if scale is None else scale, plan=plan, mesh=mesh)
 
 
 def shard(x, names):

@@ -1,0 +1,46 @@
+"""How attention is parallelised for the code traced inside `use(plan)`: strategy, mesh axis, sequence layout.
+
+The training step installs the plan from the run config while tracing, so models call `parallel.attention`
+without knowing about meshes; explicit arguments to `parallel.attention` override the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+from jax.sharding import Mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionPlan:
+    """strategy: a name in parallel.strategies.STRATEGIES; axis: mesh axis the sequence is sharded over (usp:
+    (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
+    parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`."""
+
+    strategy: str = "none"
+    axis: str | tuple[str, str] = "context"
+    layout: str = "contiguous"
+    stripe: int = 1
+    mesh: Mesh | None = None
+    block_q: int = 512
+    block_kv: int = 512
+
+
+_CURRENT = contextvars.ContextVar("attention_plan", default=AttentionPlan())
+
+
+def current() -> AttentionPlan:
+    """The plan installed by the innermost `use`, else the default (single-device, contiguous)."""
+    return _CURRENT.get()
+
+
+@contextlib.contextmanager
+def use(plan: AttentionPlan):
+    """Installs `plan` for attention calls traced inside the block."""
+    token = _CURRENT.set(plan)
+    try:
+        yield plan
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,107 @@
+"""Packed-sequence segment bookkeeping without T×T arrays: block summaries for skipping masked
+block pairs, and per-segment visible lengths and offsets via segment-wise reductions."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+INT32_MAX = jnp.iinfo(jnp.int32).max
+
+
+class BlockSummary(NamedTuple):
+    """Segment-id and global-index ranges of each block of a packed row."""
+
+    seg_min: jax.Array  # [batch, num_blocks] int32: smallest non-zero segment id; INT32_MAX if all padding
+    seg_max: jax.Array  # [batch, num_blocks] int32: largest segment id; 0 if all padding
+    index_min: jax.Array  # [num_blocks] int32: smallest global token index
+    index_max: jax.Array  # [num_blocks] int32: largest global token index
+
+
+def block_summary(segment_ids, index, block: int) -> BlockSummary:
+    """Summaries of [batch, T] segment ids and [T] global token indices in blocks of `block` tokens."""
+    batch, length = segment_ids.shape
+    if length % block:
+        raise ValueError(f"length {length} is not a multiple of block {block}")
+    if index.shape != (length,):
+        raise ValueError(f"index shape {index.shape} does not match length {length}")
+    seg = segment_ids.astype(jnp.int32).reshape(batch, length // block, block)
+    idx = index.astype(jnp.int32).reshape(length // block, block)
+    return BlockSummary(
+        seg_min=jnp.min(jnp.where(seg > 0, seg, INT32_MAX), axis=-1),
+        seg_max=jnp.max(seg, axis=-1),
+        index_min=jnp.min(idx, axis=-1),
+        index_max=jnp.max(idx, axis=-1),
+    )
+
+
+def visible_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool) -> jax.Array:
+    """[batch, nq, nk] bool: False only when no (query, key) pair of the block pair can be visible."""
+    visible = (q.seg_min[:, :, None] <= kv.seg_max[:, None, :]) & (kv.seg_min[:, None, :] <= q.seg_max[:, :, None])
+    if causal:
+        visible &= (q.index_max[:, None] >= kv.index_min[None, :])[None]
+    return visible
+
+
+MASKS = ("padding", "causal", "bottom_right_causal")
+
+
+def _row_seqlens_offsets(q_seg, kv_seg, q_pos, kv_pos, num_segments: int, mask: str):
+    """One row: [Tq], [Tk] ids and positions -> four [num_segments - 1] int32 arrays."""
+
+    def reduce(op, data, seg):
+        return op(data, seg, num_segments=num_segments)
+
+    q_has = reduce(jax.ops.segment_sum, jnp.ones_like(q_seg), q_seg) > 0
+    kv_has = reduce(jax.ops.segment_sum, jnp.ones_like(kv_seg), kv_seg) > 0
+    if mask == "padding":
+        q_vis, kv_vis = kv_has[q_seg], q_has[kv_seg]
+    elif mask == "causal":
+        # empty segments reduce to the int32 identities, so they compare as never visible
+        kv_lo = reduce(jax.ops.segment_min, kv_pos, kv_seg)
+        q_hi = reduce(jax.ops.segment_max, q_pos, q_seg)
+        q_vis, kv_vis = kv_lo[q_seg] <= q_pos, kv_pos <= q_hi[kv_seg]
+    else:
+        # bottom-right: shift positions so each segment's last key and last query sit at 0
+        kv_hi = reduce(jax.ops.segment_max, kv_pos, kv_seg)
+        kv_span = jnp.where(kv_has, reduce(jax.ops.segment_min, kv_pos, kv_seg) - kv_hi, INT32_MAX)
+        q_hi = reduce(jax.ops.segment_max, q_pos, q_seg)
+        q_vis = kv_span[q_seg] <= q_pos - q_hi[q_seg]
+        # the last query (shifted 0) sees every key, whose shifted position is <= 0
+        kv_vis = q_has[kv_seg]
+    return (*_count_first(q_vis & (q_seg > 0), q_seg, num_segments),
+            *_count_first(kv_vis & (kv_seg > 0), kv_seg, num_segments))
+
+
+def _count_first(visible, seg, num_segments: int):
+    """[T] visibility and ids -> ([S] count, [S] first index or -1) for ids 1..S."""
+    count = jax.ops.segment_sum(visible.astype(jnp.int32), seg, num_segments=num_segments)[1:]
+    index = jnp.where(visible, jnp.arange(seg.shape[0], dtype=jnp.int32), INT32_MAX)
+    first = jax.ops.segment_min(index, seg, num_segments=num_segments)[1:]
+    return count, jnp.where(count > 0, first, -1)
+
+
+def seqlens_offsets(q_segment_ids, kv_segment_ids, q_positions, kv_positions, *, max_segments: int,
+                    mask: str = "causal"):
+    """Per-segment visible token counts and first indices, in O(T + S) memory per row.
+
+    q_segment_ids, q_positions: [batch, Tq] int32; kv_segment_ids, kv_positions: [batch, Tk] int32, with
+    positions restarting at 0 in each document. Returns (q_seqlens, kv_seqlens, q_offsets, kv_offsets),
+    each [batch, max_segments] int32, slot s-1 for segment id s: the number of query tokens that see at
+    least one key (keys seen by at least one query), and the index along T of the first such token, -1 if
+    none. Id 0 is padding; ids above `max_segments` are a caller error and are treated as padding.
+    """
+    if mask not in MASKS:
+        raise ValueError(f"unknown mask {mask!r}; expected one of {MASKS}")
+    num_segments = max_segments + 1
+
+    def valid(seg):
+        seg = seg.astype(jnp.int32)
+        return jnp.where((seg > 0) & (seg < num_segments), seg, 0)
+
+    row = jax.vmap(lambda *a: _row_seqlens_offsets(*a, num_segments, mask))
+    q_len, q_off, kv_len, kv_off = row(valid(q_segment_ids), valid(kv_segment_ids),
+                                       q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32))
+    return q_len, kv_len, q_off, kv_off

@@ -1,0 +1,64 @@
+"""Pieces shared by the context strategies: shard_map specs, global token indices of local pieces, the local kernel."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from parallel import blockwise
+from parallel.mesh import logical_spec
+from parallel.reorder import layout_index
+
+
+def axis_names(axis) -> tuple[str, ...]:
+    """'context' -> ('context',); ('context', 'ulysses') stays."""
+    return (axis,) if isinstance(axis, str) else tuple(axis)
+
+
+def axis_size(mesh, axis) -> int:
+    """Number of devices along one mesh axis or the product over several."""
+    return math.prod(mesh.shape[name] for name in axis_names(axis))
+
+
+def specs(mesh, axis):
+    """PartitionSpecs of q / k-v ([batch, length, heads, d]) and segment ids ([batch, length]) with the length
+    sharded over `axis`, batch and heads as the logical rules say."""
+    batch = logical_spec(("batch",), mesh)[0]
+    heads, kv_heads = logical_spec(("heads",), mesh)[0], logical_spec(("kv_heads",), mesh)[0]
+    length = axis if isinstance(axis, str) else tuple(axis)
+    return (PartitionSpec(batch, length, heads, None), PartitionSpec(batch, length, kv_heads, None),
+            PartitionSpec(batch, length))
+
+
+def global_index(length: int, plan, cp: int) -> np.ndarray:
+    """int32 [length]: original token index of each position of a sequence in `plan.layout` for `cp` ranks."""
+    if plan.layout != "contiguous" and cp > 1:
+        return layout_index(length, cp, plan.layout, plan.stripe)
+    return np.arange(length, dtype=np.int32)
+
+
+def local_piece(index: np.ndarray, shards: int, rank):
+    """Rows of `index` [length] held by `rank` (traced) when split into `shards` equal pieces -> [length/shards]."""
+    table = jnp.asarray(index.reshape(shards, -1))
+    return lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
+
+
+def kernel(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, plan):
+    """The local attention kernel with the plan's block sizes -> (out, lse)."""
+    return blockwise.attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=q_index,
+                               kv_index=kv_index, causal=causal, scale=scale, block_q=plan.block_q,
+                               block_kv=plan.block_kv)
+
+
+def run_sharded(local, mesh, axis, q, k, v, segment_ids):
+    """Runs `local(q, k, v, seg)` on each device's pieces (length sharded over `axis`, batch and heads as the
+    logical rules say) and returns the global output [batch, length, heads, dv]. None segment ids = one document."""
+    q_spec, kv_spec, seg_spec = specs(mesh, axis)
+    seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v, seg)
