@@ -17,7 +17,8 @@ from jax.sharding import Mesh
 class AttentionPlan:
     """strategy: a name in parallel.strategies.STRATEGIES; axis: mesh axis the sequence is sharded over (usp:
     (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
-    parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`."""
+    parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
+    block_kv: blockwise kernel block sizes; fused: use cuDNN on GPU where it applies (parallel/fused.py)."""
 
     strategy: str = "none"
     axis: str | tuple[str, str] = "context"
@@ -26,6 +27,7 @@ class AttentionPlan:
     mesh: Mesh | None = None
     block_q: int = 512
     block_kv: int = 512
+    fused: bool = True
 
 
 _CURRENT = contextvars.ContextVar("attention_plan", default=AttentionPlan())

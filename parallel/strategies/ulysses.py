@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from parallel import fused
 from parallel.strategies.common import axis_size, global_index, kernel, run_sharded
 
 
@@ -50,9 +51,13 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     axis, size = plan.axis, axis_size(mesh, plan.axis)
     check_heads(q.shape[2], k.shape[2], size, axis)
     index = jnp.asarray(global_index(q.shape[1], plan, size))
+    use_fused = fused.usable(q, k, v, segment_ids=segment_ids, contiguous=plan.layout == "contiguous" or size == 1,
+                             enabled=plan.fused)
 
     def local(q, k, v, seg):
         q, k, v, seg = scatter_heads(q, k, v, seg, axis, size)
+        if use_fused:
+            return gather_heads(fused.attention(q, k, v, causal=causal, scale=scale), axis)
         out, _ = kernel(q, k, v, seg, seg, index, index, causal=causal, scale=scale, plan=plan)
         return gather_heads(out, axis)
 
