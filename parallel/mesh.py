@@ -1,6 +1,7 @@
 """Device mesh from config and the one table mapping logical axis names to mesh axes.
 
-Axes: data, fsdp, context, tensor. Written for multi-host: after `jax.distributed.initialize()`,
+Axes: data, fsdp, context, ulysses, tensor (ulysses inside context, so Ulysses all-to-alls stay between
+neighbouring devices). Written for multi-host: after `jax.distributed.initialize()`,
 `jax.devices()` lists every host's devices and the same code builds the global mesh.
 """
 
@@ -13,13 +14,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "context", "tensor")
+AXES = ("data", "fsdp", "context", "ulysses", "tensor")
 
 # logical axis -> mesh axes, in priority order. A mesh axis already used by an earlier dimension of
 # the same array is dropped, so e.g. [batch, length, embed] activations shard embed nowhere.
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
-    "length": ("context",),
+    "length": ("context", "ulysses"),
     "embed": ("fsdp",),
     "vocab": ("tensor",),
     "heads": ("tensor",),
@@ -51,7 +52,7 @@ def mesh_shape(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
 
 
 def make_mesh(config, devices=None) -> Mesh:
-    """Builds the mesh (axes data, fsdp, context, tensor) from a MeshConfig-like object."""
+    """Builds the mesh (axes data, fsdp, context, ulysses, tensor) from a MeshConfig-like object."""
     devices = jax.devices() if devices is None else devices
     shape = mesh_shape({name: getattr(config, name) for name in AXES}, len(devices))
     grid = np.asarray(devices).reshape([shape[name] for name in AXES])
@@ -59,12 +60,12 @@ def make_mesh(config, devices=None) -> Mesh:
 
 
 def logical_spec(names, mesh: Mesh | None = None) -> PartitionSpec:
-    """PartitionSpec for logical axis names; mesh axes of size 1 (when a mesh is given) are left out."""
+    """PartitionSpec for logical axis names; mesh axes of size 1 or absent (when a mesh is given) are left out."""
     used: set[str] = set()
     spec = []
     for name in names:
         axes = tuple(a for a in LOGICAL_RULES.get(name, ()) if name is not None and a not in used
-                     and (mesh is None or mesh.shape[a] > 1))
+                     and (mesh is None or mesh.shape.get(a, 1) > 1))
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*spec)
@@ -81,7 +82,7 @@ def state_shardings(state, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of [batch, length] input arrays: batch over data x fsdp, length over context."""
+    """Sharding of [batch, length] input arrays: batch over data x fsdp, length over context x ulysses."""
     return NamedSharding(mesh, logical_spec(("batch", "length"), mesh))
 
 

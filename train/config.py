@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from parallel.context import check_context
+from parallel.mesh import MeshError
+
 
 class ConfigError(ValueError):
     """A configuration key has a value that is not allowed."""
@@ -127,8 +130,21 @@ class MeshConfig:
     data: int = 1
     fsdp: int = -1
     context: int = 1
+    ulysses: int = 1  # usp only: heads split over this axis, inside the context (ring) axis
     tensor: int = 1
 
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How attention runs when the sequence is split over mesh.context (and mesh.ulysses)."""
+
+    context_strategy: str = "none"  # none | all_gather | ring | ulysses | usp
+    load_balance: bool = True  # reorder the sequence when mesh.context > 1 so causal work is even
+    balance_layout: str = "dual_chunk"  # dual_chunk | striped
+    stripe: int = 1  # tokens per stripe for the striped layout
+    block_q: int = 512  # blockwise attention kernel block sizes
+    block_kv: int = 512
+    fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
 
 @dataclass(frozen=True)
 class Config:
@@ -138,6 +154,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 CHOICES = {
@@ -148,6 +165,8 @@ CHOICES = {
     "model.remat_policy": ("none", "full", "save_dots", "save_projections"),
     "data.format": ("auto", "text", "jsonl", "parquet"),
     "data.packing": ("concat", "first_fit"),
+    "parallel.context_strategy": ("none", "all_gather", "ring", "ulysses", "usp"),
+    "parallel.balance_layout": ("dual_chunk", "striped"),
 }
 
 
@@ -304,13 +323,18 @@ def validate(config: Config) -> None:
         _require(m.rope_scaling.high_freq_factor > m.rope_scaling.low_freq_factor,
                  f"model.rope_scaling.high_freq_factor={m.rope_scaling.high_freq_factor} must exceed "
                  f"low_freq_factor={m.rope_scaling.low_freq_factor}")
-    sizes = {name: getattr(config.mesh, name) for name in ("data", "fsdp", "context", "tensor")}
+    sizes = {f.name: getattr(config.mesh, f.name) for f in dataclasses.fields(MeshConfig)}
     for name, size in sizes.items():
         _require(size == -1 or size >= 1, f"mesh.{name}={size} must be >= 1 or -1 (fill)")
     fills = [name for name, size in sizes.items() if size == -1]
     _require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join('mesh.' + f for f in fills)}")
-    _require(d.seq_len % config.mesh.context == 0 if config.mesh.context > 0 else True,
-             f"data.seq_len={d.seq_len} must be divisible by mesh.context={config.mesh.context}")
+    for key in ("parallel.stripe", "parallel.block_q", "parallel.block_kv"):
+        _require(get(config, key) >= 1, f"{key}={get(config, key)!r} must be >= 1")
+    if not {"context", "ulysses", "tensor"} & set(fills):  # else known once the mesh is built, checked there
+        try:
+            check_context(config.parallel, sizes, seq_len=d.seq_len, num_heads=m.num_heads)
+        except MeshError as error:
+            raise ConfigError(str(error)) from None
     if config.mesh.tensor > 1:
         for key in ("model.num_heads", "model.mlp_dim"):
             _require(get(config, key) % config.mesh.tensor == 0,

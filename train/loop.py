@@ -17,6 +17,7 @@ import jax
 import numpy as np
 import yaml
 
+from parallel.context import attention_plan, check_context, to_layout
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.checkpoint import Checkpointer, restore_model_params
 from train.config import Config, ConfigError, to_dict
@@ -86,6 +87,7 @@ def run(config: Config) -> dict:
                 for split in (("train", "eval") if t.eval_batches else ("train",))}
     mesh = make_mesh(config.mesh)
     check_batch(t.batch_size, t.grad_accum_steps, mesh)
+    check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
     check_run_directory(output, config)
     output.mkdir(parents=True, exist_ok=True)
     main_process = jax.process_index() == 0
@@ -115,9 +117,15 @@ def run(config: Config) -> dict:
 def _loop(config, train_state, mesh, train_iter, eval_dataset, checkpoints, start, tokenizer, main_process) -> dict:
     t, output = config.train, pathlib.Path(config.train.output_dir)
     chunk = config.model.loss_chunk_size
-    train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps)
-    eval_step = make_eval_step(train_state, mesh, chunk_size=chunk)
+    plan = attention_plan(config.parallel, mesh.shape)
+    train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps, plan=plan)
+    eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan)
     sharding = batch_sharding(mesh)
+
+    def device_batch(local: dict) -> dict:
+        """Host rows -> global arrays in the plan's sequence layout (reordered here, once per batch)."""
+        return global_batch(to_layout(local, plan, mesh.shape["context"]), sharding)
+
     schedule = learning_rate_schedule(config.optimizer, t.steps)
     tokens_per_step = t.batch_size * config.data.seq_len
     model_flops = flops_per_token(config.model, config.data.seq_len)
@@ -132,7 +140,7 @@ def _loop(config, train_state, mesh, train_iter, eval_dataset, checkpoints, star
 
     def evaluate(state) -> float:
         eval_iter = iter(eval_dataset)  # from its start: every evaluation sees the same held-out batches
-        sums = [eval_step(state, global_batch(next(eval_iter), sharding)) for _ in range(t.eval_batches)]
+        sums = [eval_step(state, device_batch(next(eval_iter))) for _ in range(t.eval_batches)]
         eval_iter.close()
         total, count = (sum(float(s[i]) for s in sums) for i in (0, 1))
         return total / max(count, 1.0)
@@ -176,7 +184,7 @@ def _loop(config, train_state, mesh, train_iter, eval_dataset, checkpoints, star
     try:
         pending = None  # a non-logged step's metrics, checked for finiteness while the next step runs
         for step in range(start + 1, t.steps + 1):
-            state, metrics = train_step(state, global_batch(next(train_iter), sharding))
+            state, metrics = train_step(state, device_batch(next(train_iter)))
             if pending:
                 record(*pending)
                 pending = None

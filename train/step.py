@@ -1,4 +1,7 @@
-"""The jitted training and evaluation steps: segment-masked chunked loss, gradient accumulation, update."""
+"""The jitted training and evaluation steps: segment-masked chunked loss, gradient accumulation, update.
+
+Each step traces its body under `parallel.plan.use(plan)`, so `parallel.attention` in the model runs the
+configured context strategy on batches already in the plan's sequence layout."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from flax import nnx
 
 from layers.loss import chunked_cross_entropy
 from models.dtypes import compute_dtype
+from parallel import plan as plans
 from parallel.mesh import batch_sharding
 
 BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
@@ -43,29 +47,33 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     return jax.tree.map(lambda g: g / denominator, grads), loss_sum / denominator, count
 
 
-def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int):
-    """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated."""
+def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int,
+                    plan: plans.AttentionPlan = plans.AttentionPlan()):
+    """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated.
+    Batch arrays [batch, length] are in `plan.layout` order."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        grads, loss, count = accumulated_grads(model, batch, chunk_size, accum_steps)
-        optimizer.update(model, grads)
-        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count}
-        return nnx.split((model, optimizer))[1], metrics
+        with plans.use(plan):  # inside: jit traces on the first call
+            model, optimizer = nnx.merge(graphdef, state)
+            grads, loss, count = accumulated_grads(model, batch, chunk_size, accum_steps)
+            optimizer.update(model, grads)
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count}
+            return nnx.split((model, optimizer))[1], metrics
 
     data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
     return jax.jit(step, in_shardings=(train_state.shardings, data), out_shardings=(train_state.shardings, None),
                    donate_argnums=0)
 
 
-def make_eval_step(train_state, mesh, *, chunk_size: int):
-    """jit(state, batch) -> (loss sum, token count) on held-out data."""
+def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.AttentionPlan = plans.AttentionPlan()):
+    """jit(state, batch) -> (loss sum, token count) on held-out data in `plan.layout` order."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
-        model, _ = nnx.merge(graphdef, state)
-        return loss_sums(model, batch, chunk_size)
+        with plans.use(plan):
+            model, _ = nnx.merge(graphdef, state)
+            return loss_sums(model, batch, chunk_size)
 
     data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
     return jax.jit(step, in_shardings=(train_state.shardings, data))

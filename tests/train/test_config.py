@@ -34,6 +34,13 @@ def test_inheritance_and_override_order(tmp_path):
     assert config.model.rope_scaling.type == "yarn"
 
 
+def test_parallel_defaults_and_fitting_context_sizes():
+    assert load_config(None).parallel.context_strategy == "none" and load_config(None).parallel.load_balance
+    config = load_config(CONFIGS / "tiny.yaml", ["mesh.context=4", "mesh.ulysses=2", "parallel.context_strategy=usp"])
+    assert (config.mesh.context, config.mesh.ulysses, config.parallel.balance_layout) == (4, 2, "dual_chunk")
+    load_config(CONFIGS / "tiny.yaml", ["mesh.fsdp=1", "mesh.context=-1"])  # size known on the mesh: checked there
+
+
 def test_int_is_accepted_for_float():
     assert isinstance(load_config(None, ["optimizer.learning_rate=1"]).optimizer.learning_rate, float)
 
@@ -60,7 +67,23 @@ def test_llama_configs_have_expected_fields():
     (["data.seq_len=1000", "model.loss_chunk_size=512"], ["data.seq_len=1000", "loss_chunk_size=512"]),
     (["data.packing=greedy"], ["data.packing", "'greedy'", "concat", "first_fit"]),
     (["model.rope_scaling.type=ntk"], ["model.rope_scaling.type", "llama3", "yarn"]),
-    (["mesh.context=3"], ["data.seq_len=256", "mesh.context=3"]),
+    (["mesh.context=3", "parallel.context_strategy=ring"], ["data.seq_len=256", "mesh.context=3"]),
+    (["parallel.context_strategy=ringg"], ["parallel.context_strategy", "'ringg'", "all_gather", "usp"]),
+    (["parallel.balance_layout=zigzag"], ["parallel.balance_layout", "'zigzag'", "dual_chunk", "striped"]),
+    (["parallel.stripe=0"], ["parallel.stripe=0", ">= 1"]),
+    (["parallel.block_kv=0"], ["parallel.block_kv=0", ">= 1"]),
+    (["parallel.load_balance=maybe"], ["parallel.load_balance", "bool"]),
+    (["mesh.ulysses=0"], ["mesh.ulysses=0", ">= 1 or -1"]),
+    (["mesh.context=2"], ["mesh.context=2", "parallel.context_strategy=none", "ring"]),
+    (["mesh.context=2", "mesh.ulysses=2", "parallel.context_strategy=ring"], ["mesh.ulysses=2", "usp"]),
+    (["mesh.context=8", "parallel.context_strategy=ulysses"], ["model.num_heads=4", "mesh.context=8", "ulysses"]),
+    (["mesh.ulysses=8", "parallel.context_strategy=usp"], ["model.num_heads=4", "mesh.ulysses=8", "usp"]),
+    (["mesh.context=2", "mesh.ulysses=2", "parallel.context_strategy=usp", "data.seq_len=6"],
+     ["data.seq_len=6", "mesh.context=2 x mesh.ulysses=2"]),
+    (["mesh.context=8", "parallel.context_strategy=ring", "data.seq_len=8"],
+     ["data.seq_len=8", "2 x mesh.context=8", "dual_chunk", "parallel.load_balance=false"]),
+    (["mesh.context=4", "parallel.context_strategy=ring", "parallel.balance_layout=striped", "parallel.stripe=128"],
+     ["data.seq_len=256", "mesh.context=4 x parallel.stripe=128", "striped"]),
     (["mesh.data=-1"], ["only one mesh axis", "mesh.data", "mesh.fsdp"]),
     (["train.batch_size=6", "train.grad_accum_steps=4"], ["train.batch_size=6", "grad_accum_steps=4"]),
     (["mesh.tensor=3", "model.num_heads=4"], ["model.num_heads=4", "mesh.tensor=3"]),

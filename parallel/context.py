@@ -1,0 +1,75 @@
+"""Context parallelism from a run config: the size checks, the attention plan, the host-side sequence reorder.
+
+Knows config-shaped objects only: a `parallel` section (context_strategy, load_balance, balance_layout, stripe,
+block_q, block_kv, fused_attention) and mesh axis sizes (context, ulysses, tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from parallel.mesh import MeshError
+from parallel.plan import AttentionPlan
+from parallel.reorder import to_balanced
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise MeshError(message)
+
+
+def layout_for(parallel, context: int) -> str:
+    """The sequence layout: the balanced one when load balancing over more than one context device."""
+    return parallel.balance_layout if parallel.load_balance and context > 1 else "contiguous"
+
+
+def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads: int) -> None:
+    """Raises MeshError (naming the key, the value and what is allowed) when `parallel.context_strategy` does
+    not fit the mesh axis `sizes` (context, ulysses, tensor; absent = 1), `seq_len` or `num_heads`."""
+    strategy = parallel.context_strategy
+    context, ulysses, tensor = (sizes.get(name, 1) for name in ("context", "ulysses", "tensor"))
+    _require(strategy != "none" or context == 1,
+             f"mesh.context={context} splits the sequence but parallel.context_strategy=none; choose "
+             f"parallel.context_strategy=ring (or all_gather, ulysses, usp), or set mesh.context=1")
+    _require(ulysses == 1 or strategy == "usp",
+             f"mesh.ulysses={ulysses} needs parallel.context_strategy=usp (got {strategy}); set "
+             f"parallel.context_strategy=usp or mesh.ulysses=1")
+    shards = f"mesh.context={context}" + (f" x mesh.ulysses={ulysses}" if ulysses > 1 else "")
+    _require(seq_len % (context * ulysses) == 0, f"data.seq_len={seq_len} must be divisible by {shards}")
+    layout = layout_for(parallel, context)
+    if layout == "dual_chunk":
+        _require(seq_len % (2 * context) == 0,
+                 f"data.seq_len={seq_len} must be divisible by 2 x mesh.context={context} for "
+                 f"parallel.balance_layout=dual_chunk; choose another data.seq_len or parallel.load_balance=false")
+    if layout == "striped":
+        _require(seq_len % (context * parallel.stripe) == 0,
+                 f"data.seq_len={seq_len} must be divisible by mesh.context={context} x "
+                 f"parallel.stripe={parallel.stripe} for parallel.balance_layout=striped")
+    split = {"ulysses": ("mesh.context", context), "usp": ("mesh.ulysses", ulysses)}.get(strategy)
+    if split:
+        key, size = split
+        by = f"{key}={size}" + (f" x mesh.tensor={tensor}" if tensor > 1 else "")
+        _require(num_heads % (size * tensor) == 0,
+                 f"model.num_heads={num_heads} must be divisible by {by} for parallel.context_strategy={strategy} "
+                 f"(it splits the heads over {key})")
+
+
+def attention_plan(parallel, sizes: Mapping[str, int]) -> AttentionPlan:
+    """The AttentionPlan for the traced steps: strategy, mesh axis ("context"; usp: ("context", "ulysses")),
+    layout for the context size in `sizes`, stripe and kernel block sizes. The mesh comes from `jax.set_mesh`."""
+    strategy = parallel.context_strategy
+    return AttentionPlan(strategy=strategy, axis=("context", "ulysses") if strategy == "usp" else "context",
+                         layout=layout_for(parallel, sizes.get("context", 1)), stripe=parallel.stripe,
+                         block_q=parallel.block_q, block_kv=parallel.block_kv, fused=parallel.fused_attention)
+
+
+def to_layout(batch: Mapping[str, np.ndarray], plan: AttentionPlan, context: int) -> dict[str, np.ndarray]:
+    """Host batch of [rows, seq_len] numpy arrays in original order -> the same arrays in `plan.layout` for
+    `context` ring devices (the arrays themselves when the layout is contiguous)."""
+    if plan.layout == "contiguous":
+        return dict(batch)
+    return {key: np.ascontiguousarray(to_balanced(np.asarray(value), context, axis=1, strategy=plan.layout,
+                                                  stripe=plan.stripe))
+            for key, value in batch.items()}

@@ -1,0 +1,173 @@
+"""Context parallelism from the run config: a ring run over 8 devices logs the losses of a one-context-device
+run; every strategy's training step gives the loss and gradients of context=1 on packed rows with padding;
+the plan and host reorder follow the config; sizes that do not fit stop with an error naming key and value."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from parallel.context import attention_plan, check_context, to_layout
+from parallel.mesh import MeshError, batch_sharding, make_mesh
+from parallel.plan import AttentionPlan
+from parallel.reorder import from_balanced
+from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
+from train.loop import run
+from train.state import TrainState, abstract_state, create_state
+from train.step import make_train_step
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+RUN = [
+    "model.embed_dim=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
+    "model.mlp_dim=64", "model.remat_policy=none", "model.dtype=float32", "data.seq_len=64",
+    "data.max_documents=40", "train.batch_size=8", "train.steps=4", "train.progress_bar=false",
+    "train.log_every_steps=1", "train.eval_batches=1", "train.sample_tokens=0", "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=3e-3", "checkpoint.enabled=false",
+]
+MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                    dtype="float32", remat_policy="none")
+ROWS, LENGTH = 2, 64
+
+
+def logged(output: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_ring_run_over_8_devices_logs_the_losses_of_one_context_device(tmp_path, capfd):
+    run(load_config(REPO / "configs" / "tiny.yaml", [*RUN, f"train.output_dir={tmp_path / 'one'}"]))
+    run(load_config(REPO / "configs" / "tiny.yaml", [
+        *RUN, f"train.output_dir={tmp_path / 'ring'}", "mesh.fsdp=1", "mesh.context=8",
+        "parallel.context_strategy=ring", "parallel.block_q=16", "parallel.block_kv=16", "train.sample_tokens=4"]))
+    one, ring = logged(tmp_path / "one"), logged(tmp_path / "ring")
+    assert [r["step"] for r in ring] == [1, 2, 3, 4]
+    np.testing.assert_allclose([r["loss"] for r in ring], [r["loss"] for r in one], rtol=1e-5)
+    np.testing.assert_allclose(ring[-1]["eval_loss"], one[-1]["eval_loss"], rtol=1e-5)
+    assert ring[-1]["loss"] < ring[0]["loss"] - 0.1, ring
+    assert "--- sample ---" in capfd.readouterr().out  # sampling after a context-parallel run (no plan)
+
+
+def keep_grads() -> optax.GradientTransformation:
+    """Leaves the parameters alone and keeps the last gradients as its state (to read them off a train step)."""
+    return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
+                                        lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def packed_batch(seed: int = 0) -> dict[str, np.ndarray]:
+    """[ROWS, LENGTH] rows of several documents each and trailing padding (segment 0), in original order."""
+    rng = np.random.default_rng(seed)
+    segment_ids, positions = np.zeros((ROWS, LENGTH), np.int32), np.zeros((ROWS, LENGTH), np.int32)
+    for row in range(ROWS):
+        start, end, doc = 0, LENGTH - int(rng.integers(3, 12)), 1
+        while start < end:
+            n = min(int(rng.integers(5, 30)), end - start)
+            segment_ids[row, start:start + n], positions[row, start:start + n] = doc, np.arange(n)
+            start, doc = start + n, doc + 1
+    real = segment_ids > 0
+    tokens = np.where(real, rng.integers(1, MODEL.vocab_size, (ROWS, LENGTH)), 0).astype(np.int32)
+    same_doc = real & (np.roll(segment_ids, -1, axis=1) == segment_ids)
+    targets = np.where(same_doc, np.roll(tokens, -1, axis=1), 0).astype(np.int32)
+    return dict(tokens=tokens, targets=targets, segment_ids=segment_ids, positions=positions,
+                loss_mask=same_doc.astype(np.float32))
+
+
+@pytest.fixture(scope="module")
+def initial_state():
+    """Host copy of a fresh (model, optimizer) state, shared by every mesh (initialised once)."""
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    return jax.device_get(create_state(MODEL, keep_grads(), mesh, seed=0).state)
+
+
+def first_step(initial_state, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices):
+    """(loss, {parameter path: gradient}) of one train step on `packed_batch()` as the loop would run it."""
+    mesh = make_mesh(mesh_config, devices)
+    check_context(parallel_config, mesh.shape, seq_len=LENGTH, num_heads=MODEL.num_heads)
+    plan = attention_plan(parallel_config, mesh.shape)
+    graphdef, _, shardings = abstract_state(MODEL, keep_grads(), mesh)
+    state = TrainState(graphdef, jax.device_put(initial_state, shardings), shardings)
+    step = make_train_step(state, mesh, chunk_size=32, accum_steps=1, plan=plan)
+    batch = jax.device_put(to_layout(packed_batch(), plan, mesh.shape["context"]), batch_sharding(mesh))
+    with jax.set_mesh(mesh):
+        new_state, metrics = step(state.state, batch)
+    grads = jax.tree_util.tree_leaves_with_path(jax.device_get(new_state[1]["opt_state"]))
+    return float(metrics["loss"]), {jax.tree_util.keystr(path): np.asarray(g) for path, g in grads}
+
+
+@pytest.fixture(scope="module")
+def reference(initial_state):
+    return first_step(initial_state, MeshConfig(fsdp=1), ParallelConfig(block_q=8, block_kv=8), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("mesh_config, parallel_config", [
+    (MeshConfig(fsdp=1, context=8), ParallelConfig(context_strategy="all_gather", balance_layout="striped", stripe=2,
+                                                   block_q=8, block_kv=8)),
+    (MeshConfig(fsdp=1, context=8), ParallelConfig(context_strategy="ulysses", block_q=8, block_kv=8)),
+    (MeshConfig(fsdp=1, context=4, ulysses=2), ParallelConfig(context_strategy="usp", block_q=8, block_kv=8)),
+], ids=["all_gather8-striped", "ulysses8", "usp4x2"])
+def test_strategy_step_equals_one_context_device(mesh_config, parallel_config, initial_state, reference):
+    loss, grads = first_step(initial_state, mesh_config, parallel_config, jax.devices())
+    ref_loss, ref_grads = reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        error = np.linalg.norm(grads[name] - ref) / max(np.linalg.norm(ref), 1e-30)
+        assert error <= 1e-5, (name, error)
+
+
+@pytest.mark.parametrize("parallel_config, sizes, expected", [
+    (ParallelConfig(context_strategy="ring"), {"context": 4},
+     AttentionPlan(strategy="ring", axis="context", layout="dual_chunk", stripe=1)),
+    (ParallelConfig(context_strategy="usp", balance_layout="striped", stripe=4, block_q=64, block_kv=128),
+     {"context": 2, "ulysses": 4},
+     AttentionPlan(strategy="usp", axis=("context", "ulysses"), layout="striped", stripe=4, block_q=64, block_kv=128)),
+    (ParallelConfig(context_strategy="ring", load_balance=False), {"context": 4},
+     AttentionPlan(strategy="ring", layout="contiguous")),
+    (ParallelConfig(context_strategy="usp"), {"context": 1, "ulysses": 8},
+     AttentionPlan(strategy="usp", axis=("context", "ulysses"), layout="contiguous")),
+    (ParallelConfig(), {"context": 1}, AttentionPlan()),
+])
+def test_plan_from_config(parallel_config, sizes, expected):
+    assert attention_plan(parallel_config, sizes) == expected
+
+
+def test_host_reorder_is_undone_by_from_balanced():
+    batch = packed_batch()
+    plan = AttentionPlan(strategy="ring", layout="dual_chunk")
+    balanced = to_layout(batch, plan, 4)
+    assert not np.array_equal(balanced["positions"], batch["positions"])
+    for key, value in batch.items():
+        assert balanced[key].dtype == value.dtype
+        np.testing.assert_array_equal(from_balanced(balanced[key], 4, axis=1, strategy="dual_chunk"), value)
+    contiguous = to_layout(batch, AttentionPlan(), 4)
+    assert all(contiguous[key] is value for key, value in batch.items())
+
+
+def test_fill_context_axis_is_checked_before_compiling(tmp_path):
+    with pytest.raises(MeshError, match=r"mesh.context=8 splits the sequence but parallel.context_strategy=none"):
+        run(load_config(REPO / "configs" / "tiny.yaml",
+                        [*RUN, f"train.output_dir={tmp_path}", "mesh.fsdp=1", "mesh.context=-1"]))
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("parallel_config, sizes, words", [  # more cases through the config: tests/train/test_config.py
+    (ParallelConfig(context_strategy="ring"), {"context": 2, "ulysses": 2}, ["mesh.ulysses=2", "usp", "got ring"]),
+    (ParallelConfig(context_strategy="ulysses"), {"context": 2, "tensor": 4},
+     ["model.num_heads=4", "mesh.context=2 x mesh.tensor=4"]),
+    (ParallelConfig(context_strategy="usp"), {"context": 4, "ulysses": 3},
+     ["data.seq_len=64", "mesh.context=4 x mesh.ulysses=3"]),
+])
+def test_sizes_that_do_not_fit_name_key_and_value(parallel_config, sizes, words):
+    with pytest.raises(MeshError) as info:
+        check_context(parallel_config, sizes, seq_len=64, num_heads=4)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_fitting_sizes_pass():
+    check_context(ParallelConfig(context_strategy="ring", load_balance=False), {"context": 64}, seq_len=64,
+                  num_heads=4)
+    check_context(ParallelConfig(context_strategy="usp"), {"context": 2, "ulysses": 4, "tensor": 1}, seq_len=64,
+                  num_heads=4)
