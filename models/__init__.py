@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from flax import nnx
 
+from models.deepseek import DeepSeek
 from models.llama import Llama
 
-REGISTRY = {"llama": Llama}
+REGISTRY = {"llama": Llama, "deepseek": DeepSeek}
 
 
 def build(config, *, rngs: nnx.Rngs) -> nnx.Module:

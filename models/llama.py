@@ -5,7 +5,6 @@ Versions differ only in config fields (heads, kv heads, rope theta and scaling, 
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -15,7 +14,7 @@ from layers.embed import Embed, OutputHead
 from layers.mlp import SwiGLU
 from layers.norm import RMSNorm
 from models.dtypes import compute_dtype, param_dtype
-from models.remat import remat
+from models.stack import make_stack, run_stack
 
 
 class Block(nnx.Module):
@@ -30,9 +29,10 @@ class Block(nnx.Module):
         self.mlp = SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
 
     def __call__(self, x, positions, segment_ids):
+        """-> (x, None): a block carries nothing beside the residual stream."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = x + self.mlp(self.mlp_norm(x))
-        return parallel.shard(x, ("batch", "length", "embed"))
+        return parallel.shard(x, ("batch", "length", "embed")), None
 
 
 class Llama(nnx.Module):
@@ -42,28 +42,17 @@ class Llama(nnx.Module):
         self.config = config
         kw = dict(param_dtype=param_dtype(config), dtype=compute_dtype(config))
         self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs, **kw)
-
-        @nnx.split_rngs(splits=config.num_layers)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def make_layers(rngs):
-            return Block(config, rngs=rngs)
-
-        self.layers = make_layers(rngs)
+        self.layers = make_stack(lambda rngs: Block(config, rngs=rngs), config.num_layers, rngs)
         self.final_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
         self.head = None if config.tie_embeddings else OutputHead(config.embed_dim, config.vocab_size, rngs=rngs, **kw)
 
     def hidden(self, tokens, positions=None, segment_ids=None):
-        """tokens/positions/segment_ids: [batch, length] -> final-normed hidden [batch, length, embed]."""
+        """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed], aux {})."""
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
         x = parallel.shard(self.embed(tokens), ("batch", "length", "embed"))
-        graphdef, stacked = nnx.split(self.layers)
-
-        def body(h, layer):
-            return nnx.merge(graphdef, layer)(h, positions, segment_ids), None
-
-        x, _ = jax.lax.scan(remat(body, self.config.remat_policy), x, stacked)
-        return self.final_norm(x)
+        x, _ = run_stack(self.layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
+        return self.final_norm(x), {}
 
     def output_kernel(self):
         """[embed, vocab] matrix mapping hidden states to logits."""
@@ -71,6 +60,6 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         """-> logits [batch, length, vocab] in float32 (for sampling and reference checks, not the loss)."""
-        hidden = self.hidden(tokens, positions, segment_ids)
+        hidden, _ = self.hidden(tokens, positions, segment_ids)
         return jnp.einsum("bte,ev->btv", hidden, self.output_kernel().astype(hidden.dtype),
                           preferred_element_type=jnp.float32)

@@ -1,7 +1,7 @@
 """Device mesh from config and the one table mapping logical axis names to mesh axes.
 
-Axes: data, fsdp, context, ulysses, tensor (ulysses inside context, so Ulysses all-to-alls stay between
-neighbouring devices). Written for multi-host: after `jax.distributed.initialize()`,
+Axes: data, fsdp, expert, context, ulysses, tensor (ulysses inside context, so Ulysses all-to-alls stay between
+neighbouring devices; expert shards the experts and, for everything else, the batch). Written for multi-host: after `jax.distributed.initialize()`,
 `jax.devices()` lists every host's devices and the same code builds the global mesh.
 """
 
@@ -14,18 +14,21 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-AXES = ("data", "fsdp", "context", "ulysses", "tensor")
+AXES = ("data", "fsdp", "expert", "context", "ulysses", "tensor")
 
 # logical axis -> mesh axes, in priority order. A mesh axis already used by an earlier dimension of
 # the same array is dropped, so e.g. [batch, length, embed] activations shard embed nowhere.
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),
     "length": ("context", "ulysses"),
     "embed": ("fsdp",),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
+    "experts": ("expert",),
+    "q_lora": (),
+    "kv_lora": (),
     "head_dim": (),
     "norm": (),
     "layers": (),
@@ -82,13 +85,13 @@ def state_shardings(state, mesh: Mesh):
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """Sharding of [batch, length] input arrays: batch over data x fsdp, length over context x ulysses."""
+    """Sharding of [batch, length] input arrays: batch over data x fsdp x expert, length over context x ulysses."""
     return NamedSharding(mesh, logical_spec(("batch", "length"), mesh))
 
 
 def check_batch(batch_size: int, accum_steps: int, mesh: Mesh) -> None:
-    """Each micro-batch (batch_size / accum_steps rows) must split evenly over data x fsdp."""
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    """Each micro-batch (batch_size / accum_steps rows) must split evenly over data x fsdp x expert."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape.get("expert", 1)
     if (batch_size // accum_steps) % shards:
         raise MeshError(f"train.batch_size={batch_size} / train.grad_accum_steps={accum_steps} must be divisible "
-                        f"by mesh data x fsdp = {shards}")
+                        f"by mesh data x fsdp x expert = {shards}")

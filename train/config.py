@@ -57,6 +57,23 @@ class ModelConfig:
     dtype: str = "auto"  # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU
     remat_policy: str = "full"
     loss_chunk_size: int = 1024
+    # Multi-head latent attention (deepseek; Hugging Face names in comments)
+    q_lora_rank: int = 0  # q_lora_rank; 0 = full-rank query projection
+    kv_lora_rank: int = 0  # kv_lora_rank
+    qk_nope_head_dim: int = 0  # qk_nope_head_dim
+    qk_rope_head_dim: int = 0  # qk_rope_head_dim (one rotary key shared by all heads)
+    v_head_dim: int = 0  # v_head_dim
+    # Mixture of experts (deepseek); num_experts 0 = dense MLP everywhere
+    num_experts: int = 0  # n_routed_experts
+    experts_per_token: int = 0  # num_experts_per_tok
+    moe_mlp_dim: int = 0  # moe_intermediate_size
+    num_shared_experts: int = 0  # n_shared_experts
+    first_dense_layers: int = 0  # first_k_dense_replace
+    n_group: int = 1  # n_group (group-limited routing; 1 = off)
+    topk_group: int = 1  # topk_group
+    norm_topk_prob: bool = True  # norm_topk_prob
+    routed_scaling_factor: float = 1.0  # routed_scaling_factor
+    router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
 
 
 @dataclass(frozen=True)
@@ -129,6 +146,7 @@ class MeshConfig:
 
     data: int = 1
     fsdp: int = -1
+    expert: int = 1
     context: int = 1
     ulysses: int = 1  # usp only: heads split over this axis, inside the context (ring) axis
     tensor: int = 1
@@ -158,7 +176,7 @@ class Config:
 
 
 CHOICES = {
-    "model.family": ("llama",),
+    "model.family": ("llama", "deepseek"),
     "model.rope_scaling.type": ("none", "llama3", "yarn"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
@@ -168,6 +186,28 @@ CHOICES = {
     "parallel.context_strategy": ("none", "all_gather", "ring", "ulysses", "usp"),
     "parallel.balance_layout": ("dual_chunk", "striped"),
 }
+
+
+def _validate_deepseek(m: ModelConfig, mesh: MeshConfig) -> None:
+    """Latent attention and mixture-of-experts fields of a deepseek model."""
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for model.family=deepseek")
+    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even")
+    _require(m.q_lora_rank >= 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0 = full-rank query)")
+    _require(0 <= m.first_dense_layers <= m.num_layers,
+             f"model.first_dense_layers={m.first_dense_layers} must be in [0, model.num_layers={m.num_layers}]")
+    _require(m.router_bias_rate >= 0, f"model.router_bias_rate={m.router_bias_rate} must be >= 0")
+    if m.num_experts == 0:
+        return
+    for key in ("experts_per_token", "moe_mlp_dim"):
+        _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 when model.num_experts > 0")
+    _require(m.experts_per_token <= m.num_experts,
+             f"model.experts_per_token={m.experts_per_token} must be <= model.num_experts={m.num_experts}")
+    _require(m.num_experts % m.n_group == 0,
+             f"model.num_experts={m.num_experts} must be divisible by model.n_group={m.n_group}")
+    _require(1 <= m.topk_group <= m.n_group, f"model.topk_group={m.topk_group} must be in [1, model.n_group={m.n_group}]")
+    _require(mesh.expert == -1 or m.num_experts % mesh.expert == 0,
+             f"model.num_experts={m.num_experts} must be divisible by mesh.expert={mesh.expert}")
 
 
 # ---------------------------------------------------------------- loading
@@ -339,6 +379,8 @@ def validate(config: Config) -> None:
         for key in ("model.num_heads", "model.mlp_dim"):
             _require(get(config, key) % config.mesh.tensor == 0,
                      f"{key}={get(config, key)} must be divisible by mesh.tensor={config.mesh.tensor}")
+    if m.family == "deepseek":
+        _validate_deepseek(m, config.mesh)
     _require(bool(t.output_dir), "train.output_dir must not be empty")
     _require(c.init_from == "" or pathlib.Path(c.init_from).exists(),
              f"checkpoint.init_from={c.init_from!r} does not exist")

@@ -15,16 +15,38 @@ PEAK_FLOPS = {
 }
 
 
+def _attention_params(config) -> int:
+    """Projection parameters of one attention block: GQA, or latent attention when kv_lora_rank > 0."""
+    if not config.kv_lora_rank:
+        return config.embed_dim * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
+    qk = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if config.q_lora_rank:
+        query = config.embed_dim * config.q_lora_rank + config.q_lora_rank * config.num_heads * qk
+    else:
+        query = config.embed_dim * config.num_heads * qk
+    kv = (config.embed_dim * (config.kv_lora_rank + config.qk_rope_head_dim)
+          + config.kv_lora_rank * config.num_heads * (config.qk_nope_head_dim + config.v_head_dim))
+    return query + kv + config.num_heads * config.v_head_dim * config.embed_dim
+
+
 def matmul_params(config) -> int:
-    """Parameters used in matmuls per token: attention and MLP projections of all layers, and the output head."""
-    attn = config.embed_dim * config.head_dim * (2 * config.num_heads + 2 * config.num_kv_heads)
-    mlp = 3 * config.embed_dim * config.mlp_dim
-    return config.num_layers * (attn + mlp) + config.embed_dim * config.vocab_size
+    """Parameters used in matmuls per token: attention, the MLP or the active experts (top-k routed plus shared,
+    and the router) of all layers, and the output head."""
+    moe_layers = config.num_layers - config.first_dense_layers if config.num_experts else 0
+    dense = 3 * config.embed_dim * config.mlp_dim
+    moe = (3 * config.embed_dim * config.moe_mlp_dim * (config.experts_per_token + config.num_shared_experts)
+           + config.embed_dim * config.num_experts)
+    return (config.num_layers * _attention_params(config) + (config.num_layers - moe_layers) * dense
+            + moe_layers * moe + config.embed_dim * config.vocab_size)
 
 
 def flops_per_token(config, seq_len: int) -> float:
     """Training FLOPs per token: 6 x matmul params + causal attention (counted once, i.e. half of T^2)."""
-    attention = 6 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    if config.kv_lora_rank:
+        head_dims = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    else:
+        head_dims = 2 * config.head_dim
+    attention = 3 * config.num_layers * config.num_heads * head_dims * seq_len
     return 6.0 * matmul_params(config) + attention
 
 

@@ -19,12 +19,14 @@ BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
 
 def loss_sums(model, batch, chunk_size: int):
-    """(sum of token losses, number of loss tokens) over a batch of [batch, length] arrays.
+    """(sum of token losses, number of loss tokens, model aux) over a batch of [batch, length] arrays.
 
-    The mask is the data's loss_mask (0 on padding and where the target belongs to another document)."""
-    hidden = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    return chunked_cross_entropy(hidden, model.output_kernel(), batch["targets"], batch["loss_mask"],
-                                 chunk_size=min(chunk_size, hidden.shape[1]), dtype=compute_dtype(model.config))
+    The mask is the data's loss_mask (0 on padding and where the target belongs to another document); aux is
+    what the model reports beside its hidden states (e.g. expert counts), summed over micro-batches."""
+    hidden, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    loss, count = chunked_cross_entropy(hidden, model.output_kernel(), batch["targets"], batch["loss_mask"],
+                                        chunk_size=min(chunk_size, hidden.shape[1]), dtype=compute_dtype(model.config))
+    return loss, count, aux
 
 
 def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
@@ -34,17 +36,22 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1),
                          batch)
 
-    def micro_step(carry, micro_batch):
-        grads_sum, loss_sum, count = carry
-        def loss_of(p):
-            return loss_sums(nnx.merge(graphdef, p, rest), micro_batch, chunk_size)
-        (loss, n), grads = jax.value_and_grad(loss_of, has_aux=True)(params)
-        return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, count + n), None
+    def loss_of(p, micro_batch):
+        loss, n, aux = loss_sums(nnx.merge(graphdef, p, rest), micro_batch, chunk_size)
+        return loss, (n, aux)
 
+    def micro_step(carry, micro_batch):
+        grads_sum, loss_sum, count, aux_sum = carry
+        (loss, (n, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, micro_batch)
+        return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, count + n,
+                jax.tree.map(jnp.add, aux_sum, aux)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    aux_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_of, params, first)[1][1])
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss_sum, count), _ = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), micro)
+    (grads, loss_sum, count, aux), _ = jax.lax.scan(micro_step, (zeros, 0.0, 0.0, aux_zeros), micro)
     denominator = jnp.maximum(count, 1.0)
-    return jax.tree.map(lambda g: g / denominator, grads), loss_sum / denominator, count
+    return jax.tree.map(lambda g: g / denominator, grads), loss_sum / denominator, count, aux
 
 
 def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int,
@@ -56,9 +63,11 @@ def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int,
     def step(state, batch):
         with plans.use(plan):  # inside: jit traces on the first call
             model, optimizer = nnx.merge(graphdef, state)
-            grads, loss, count = accumulated_grads(model, batch, chunk_size, accum_steps)
+            grads, loss, count, aux = accumulated_grads(model, batch, chunk_size, accum_steps)
             optimizer.update(model, grads)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count}
+            if hasattr(model, "balance"):  # e.g. aux-loss-free expert balancing, outside the gradient
+                metrics |= model.balance(aux)
             return nnx.split((model, optimizer))[1], metrics
 
     data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
@@ -73,7 +82,7 @@ def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.AttentionP
     def step(state, batch):
         with plans.use(plan):
             model, _ = nnx.merge(graphdef, state)
-            return loss_sums(model, batch, chunk_size)
+            return loss_sums(model, batch, chunk_size)[:2]
 
     data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
     return jax.jit(step, in_shardings=(train_state.shardings, data))

@@ -29,7 +29,7 @@ def test_sizes_that_do_not_fit_the_devices(sizes, words):
 
 def test_logical_rules_drop_repeated_and_trivial_axes():
     mesh = make_mesh(MeshConfig(data=2, fsdp=2, context=1, tensor=2))
-    assert mesh.shape == {"data": 2, "fsdp": 2, "context": 1, "ulysses": 1, "tensor": 2}
+    assert mesh.shape == {"data": 2, "fsdp": 2, "expert": 1, "context": 1, "ulysses": 1, "tensor": 2}
     assert logical_spec(("batch", "length", "embed"), mesh) == PartitionSpec(("data", "fsdp"), None, None)
     assert logical_spec(("embed", "heads", "head_dim"), mesh) == PartitionSpec("fsdp", "tensor", None)
     assert logical_spec(("layers", "embed", "mlp"), mesh) == PartitionSpec(None, "fsdp", "tensor")
@@ -37,10 +37,18 @@ def test_logical_rules_drop_repeated_and_trivial_axes():
 
 def test_length_shards_over_context_then_ulysses():
     mesh = make_mesh(MeshConfig(data=2, fsdp=1, context=2, ulysses=2))
-    assert mesh.axis_names == ("data", "fsdp", "context", "ulysses", "tensor")
+    assert mesh.axis_names == ("data", "fsdp", "expert", "context", "ulysses", "tensor")
     assert logical_spec(("batch", "length"), mesh) == PartitionSpec("data", ("context", "ulysses"))
     mesh = make_mesh(MeshConfig(fsdp=2, context=4))
     assert logical_spec(("batch", "length"), mesh) == PartitionSpec("fsdp", "context")
+
+
+def test_experts_shard_over_expert_which_also_splits_the_batch():
+    mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=2))
+    assert logical_spec(("experts", "embed", "mlp"), mesh) == PartitionSpec("expert", "fsdp", "tensor")
+    assert logical_spec(("batch", "length"), mesh) == PartitionSpec(("fsdp", "expert"), None)
+    with pytest.raises(MeshError, match="data x fsdp x expert = 4"):
+        check_batch(6, 1, mesh)
 
 
 def test_batch_must_split_over_data_and_fsdp():

@@ -1,0 +1,102 @@
+"""DeepSeek-V2/V3-like decoder: multi-head latent attention in every block; the first `first_dense_layers`
+blocks end in a dense SwiGLU, the others in a mixture of experts (all dense when `num_experts` is 0).
+
+Two scanned stacks (dense, then MoE). Expert loads come back from `hidden` as aux; `balance` turns them into
+the aux-loss-free router-bias update and the load metrics after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import parallel
+from layers.embed import Embed, OutputHead
+from layers.mla import MLA
+from layers.mlp import SwiGLU
+from layers.moe import MoE, load_imbalance, update_router_bias
+from layers.norm import RMSNorm
+from models.dtypes import compute_dtype, param_dtype
+from models.stack import make_stack, run_stack
+
+
+class Block(nnx.Module):
+    """x + mla(norm(x)), then + (moe or mlp)(norm(x)); x: [batch, length, embed]."""
+
+    def __init__(self, config, *, moe: bool, rngs: nnx.Rngs):
+        kw = dict(param_dtype=param_dtype(config), dtype=compute_dtype(config))
+        self.attn_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.attn = MLA(config.embed_dim, config.num_heads, q_lora_rank=config.q_lora_rank,
+                        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+                        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+                        rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, norm_eps=config.norm_eps,
+                        rngs=rngs, **kw)
+        self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        if moe:
+            self.mlp = MoE(config.embed_dim, num_experts=config.num_experts,
+                           experts_per_token=config.experts_per_token, moe_mlp_dim=config.moe_mlp_dim,
+                           num_shared_experts=config.num_shared_experts, n_group=config.n_group,
+                           topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
+                           routed_scaling_factor=config.routed_scaling_factor, rngs=rngs, **kw)
+        else:
+            self.mlp = SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
+        self.moe = moe
+
+    def __call__(self, x, positions, segment_ids):
+        """-> (x, expert counts [experts] float32 for an MoE block, else None)."""
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        y = self.mlp(self.mlp_norm(x))
+        y, counts = y if self.moe else (y, None)
+        return parallel.shard(x + y, ("batch", "length", "embed")), counts
+
+
+class DeepSeek(nnx.Module):
+    """tokens [batch, length] -> hidden [batch, length, embed] -> logits [batch, length, vocab]."""
+
+    def __init__(self, config, *, rngs: nnx.Rngs):
+        self.config = config
+        kw = dict(param_dtype=param_dtype(config), dtype=compute_dtype(config))
+        num_moe = config.num_layers - config.first_dense_layers if config.num_experts else 0
+        self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs, **kw)
+        self.dense_layers = (make_stack(lambda r: Block(config, moe=False, rngs=r), config.num_layers - num_moe, rngs)
+                             if config.num_layers > num_moe else None)
+        self.moe_layers = make_stack(lambda r: Block(config, moe=True, rngs=r), num_moe, rngs) if num_moe else None
+        self.final_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.head = None if config.tie_embeddings else OutputHead(config.embed_dim, config.vocab_size, rngs=rngs, **kw)
+
+    def hidden(self, tokens, positions=None, segment_ids=None):
+        """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed],
+        aux {"expert_counts": [moe layers, experts] float32} (empty without MoE layers))."""
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        x = parallel.shard(self.embed(tokens), ("batch", "length", "embed"))
+        aux = {}
+        if self.dense_layers is not None:
+            x, _ = run_stack(self.dense_layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
+        if self.moe_layers is not None:
+            x, aux["expert_counts"] = run_stack(self.moe_layers, x, positions, segment_ids,
+                                                remat_policy=self.config.remat_policy)
+        return self.final_norm(x), aux
+
+    def balance(self, aux) -> dict:
+        """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate
+        `router_bias_rate`) and returns the load metrics (imbalance = max / mean expert load, worst layer)."""
+        if self.moe_layers is None:
+            return {}
+        counts = jax.lax.stop_gradient(aux["expert_counts"])
+        bias = self.moe_layers.mlp.bias
+        bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], counts,
+                                                                        self.config.router_bias_rate)
+        imbalance = jax.vmap(load_imbalance)(counts)
+        return {"expert_imbalance": jnp.max(imbalance), "expert_imbalance_mean": jnp.mean(imbalance)}
+
+    def output_kernel(self):
+        """[embed, vocab] matrix mapping hidden states to logits."""
+        return self.embed.as_output_kernel() if self.head is None else self.head.output_kernel()
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        """-> logits [batch, length, vocab] in float32 (for sampling and reference checks, not the loss)."""
+        hidden, _ = self.hidden(tokens, positions, segment_ids)
+        return jnp.einsum("bte,ev->btv", hidden, self.output_kernel().astype(hidden.dtype),
+                          preferred_element_type=jnp.float32)

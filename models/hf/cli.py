@@ -1,0 +1,116 @@
+"""`python -m models.hf import HF_DIR OUT` and `python -m models.hf export CHECKPOINT HF_DIR`.
+
+import writes OUT/model (an orbax `model` item: `checkpoint.init_from=OUT` seeds a run's parameters from it),
+OUT/model.yaml (the architecture under a top-level `model:` key, for a run config's `base:`) and
+OUT/hf_config.json (the source config.json, whose token ids and max_position_embeddings export carries over).
+
+export reads CHECKPOINT: an import's OUT, a run's checkpoints/<step>, or a run's checkpoints/ (its newest step).
+The architecture comes from --config if given, else CHECKPOINT/model.yaml (an import), else the resolved config
+a run saves in every checkpoint (its `meta` item).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import sys
+
+import orbax.checkpoint as ocp
+import yaml
+from flax import nnx
+
+from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
+from train.checkpoint import restore_model_params
+from train.config import ConfigError, ModelConfig, from_dict, load_config
+from train.loop import RUNTIME_FIELDS
+
+MODEL_YAML = "model.yaml"
+HF_CONFIG = "hf_config.json"
+# config.json keys the model does not determine, carried from the imported config.json on export
+CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+
+
+def import_checkpoint(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
+    """Hugging Face directory -> OUT/model (orbax), OUT/model.yaml, OUT/hf_config.json; returns the config."""
+    model = load_pretrained(hf_dir, dtype)
+    out = pathlib.Path(out).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(out / "model", nnx.to_pure_dict(nnx.state(model)), force=True)
+    architecture = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RUNTIME_FIELDS}
+    (out / MODEL_YAML).write_text(f"# Imported from {pathlib.Path(hf_dir).absolute()}; use as a run config's "
+                                  f"`base:` with checkpoint.init_from={out}\n"
+                                  + yaml.safe_dump({"model": architecture}, sort_keys=False))
+    (out / HF_CONFIG).write_text((pathlib.Path(hf_dir) / CONFIG).read_text())
+    return model.config
+
+
+def step_directory(checkpoint: str | pathlib.Path) -> pathlib.Path:
+    """The directory holding the `model` item: CHECKPOINT itself, or its newest step directory."""
+    path = pathlib.Path(checkpoint).absolute()
+    if (path / "model").is_dir():
+        return path
+    steps = ocp.utils.checkpoint_steps(path) if path.is_dir() else []
+    if not steps:
+        raise FileNotFoundError(f"{path} holds no `model` item and no checkpoint step directories")
+    return path / str(max(steps))
+
+
+def checkpoint_config(step_dir: pathlib.Path, config_path: str | pathlib.Path | None = None) -> ModelConfig:
+    """The model config of a checkpoint: --config, else model.yaml beside the item, else the run's `meta` item."""
+    if config_path:
+        return load_config(config_path).model
+    if (step_dir / MODEL_YAML).is_file():
+        return load_config(step_dir / MODEL_YAML).model
+    if (step_dir / "meta").is_dir():
+        meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
+        return from_dict(ModelConfig, meta["config"]["model"], "model.")
+    raise FileNotFoundError(f"{step_dir} holds neither {MODEL_YAML} nor a run's `meta` item; pass --config")
+
+
+def export_checkpoint(checkpoint: str | pathlib.Path, hf_dir: str | pathlib.Path, *,
+                      config_path: str | pathlib.Path | None = None, hf_config: str | pathlib.Path | None = None,
+                      max_shard_bytes: int = 2**31) -> list[str]:
+    """CHECKPOINT's parameters -> a Hugging Face directory; `hf_config` (default CHECKPOINT/hf_config.json when
+    present) supplies the CARRIED config.json keys. Returns the shard file names."""
+    step_dir = step_directory(checkpoint)
+    config = checkpoint_config(step_dir, config_path)
+    graphdef, abstract = abstract_model(config)
+    model = nnx.merge(graphdef, restore_model_params(step_dir, abstract))
+    source = pathlib.Path(hf_config) if hf_config else step_dir / HF_CONFIG
+    original = json.loads(source.read_text()) if hf_config or source.is_file() else {}
+    extra = {key: original[key] for key in CARRIED if key in original}
+    return save_pretrained(model, hf_dir, max_shard_bytes=max_shard_bytes, extra_config=extra)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m models.hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    load = commands.add_parser("import", help="Hugging Face directory -> checkpoint for checkpoint.init_from")
+    load.add_argument("hf_dir", help="directory with config.json and model.safetensors (or index + shards)")
+    load.add_argument("out", help="output directory: model (orbax), model.yaml, hf_config.json")
+    load.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
+    save = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
+    save.add_argument("checkpoint", help="an import's output, a run's checkpoints/<step>, or checkpoints/ (newest)")
+    save.add_argument("hf_dir", help="output directory for config.json and safetensors shards")
+    save.add_argument("--config", help="YAML with a `model:` section (run config or model.yaml) overriding the "
+                                       "checkpoint's own")
+    save.add_argument("--hf-config", help=f"config.json whose {', '.join(CARRIED)} are carried over "
+                                          f"(default: CHECKPOINT/{HF_CONFIG} when present)")
+    save.add_argument("--max-shard-bytes", type=int, default=2**31, help="shard size limit (default 2 GiB)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "import":
+            config = import_checkpoint(args.hf_dir, args.out, args.dtype)
+            print(f"imported {config.num_layers}-layer {config.family} to {args.out}")
+        else:
+            names = export_checkpoint(args.checkpoint, args.hf_dir, config_path=args.config,
+                                      hf_config=args.hf_config, max_shard_bytes=args.max_shard_bytes)
+            print(f"exported {len(names)} shard(s) to {args.hf_dir}")
+    except (ValueError, FileNotFoundError, ConfigError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,185 @@
+"""Hugging Face checkpoints (config.json + safetensors, one file or index + shards) <-> our models, streamed.
+
+Loading reads one tensor at a time and hands each parameter to JAX as soon as all its tensors are in, so host
+memory stays about the model plus one tensor. Saving converts one tensor at a time and writes a shard as soon
+as the next tensor would take it past `max_shard_bytes`, so host memory stays about the model plus one shard.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.traverse_util import flatten_dict, unflatten_dict
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+import models
+from models.dtypes import NAMES
+from models.hf.families import by_architecture, by_family
+
+log = logging.getLogger(__name__)
+
+CONFIG = "config.json"
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def read_config(path: str | pathlib.Path) -> dict:
+    """config.json of a Hugging Face model directory."""
+    file = pathlib.Path(path) / CONFIG
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} does not exist; a Hugging Face model directory holds {CONFIG}")
+    return json.loads(file.read_text())
+
+
+def weight_map(path: pathlib.Path) -> dict[str, str]:
+    """Tensor name -> safetensors file name, from model.safetensors.index.json or the single model.safetensors."""
+    if (path / INDEX).is_file():
+        return json.loads((path / INDEX).read_text())["weight_map"]
+    if (path / SINGLE).is_file():
+        with safe_open(path / SINGLE, framework="flax") as f:
+            return dict.fromkeys(f.keys(), SINGLE)
+    raise FileNotFoundError(f"{path} holds neither {SINGLE} nor {INDEX}")
+
+
+def abstract_model(config) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state of shapes) of `config`'s model, without allocating any parameter."""
+    return nnx.split(nnx.eval_shape(lambda: models.build(config, rngs=nnx.Rngs(0))))
+
+
+def _dtype_name(dtype) -> str:
+    name = jnp.dtype(dtype).name
+    if name not in NAMES:
+        raise ValueError(f"dtype={name!r} is not a parameter dtype; choose one of {', '.join(NAMES)}")
+    return name
+
+
+def _plan(family, config, files: dict[str, str], path: pathlib.Path) -> dict[str, list]:
+    """File name -> [(tensor name, Tensor, index into our parameter)] of every tensor the model needs."""
+    plan: dict[str, list] = {}
+    missing = []
+    for tensor in family.tensors(config):
+        for fields, index in tensor.slices(config):
+            name = tensor.hf.format(**fields)
+            if name not in files:
+                missing.append(name)
+            plan.setdefault(files.get(name), []).append((name, tensor, index))
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. "
+                         f"{', '.join(missing[:3])}")
+    return plan
+
+
+def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32) -> nnx.Module:
+    """Hugging Face model directory -> our model (models.build of the converted config), parameters in `dtype`.
+
+    The model maps tokens [batch, length] (and optional positions / segment_ids) to logits [batch, length, vocab].
+    """
+    path = pathlib.Path(path)
+    hf_config = read_config(path)
+    family = by_architecture(hf_config)
+    config = dataclasses.replace(family.config_from_hf(hf_config), param_dtype=_dtype_name(dtype))
+    graphdef, state = abstract_model(config)
+    shapes = flatten_dict(nnx.to_pure_dict(state))
+    files = weight_map(path)
+    plan = _plan(family, config, files, path)
+    remaining = {ours: 0 for ours in shapes}
+    for _, tensor, _ in (entry for entries in plan.values() for entry in entries):
+        remaining[tensor.ours] += 1
+    unfilled = [".".join(ours) for ours, count in remaining.items() if not count]
+    if unfilled:
+        raise ValueError(f"{family.architecture}: no tensor fills parameter(s) {', '.join(unfilled)}")
+    buffers: dict[tuple, np.ndarray] = {}
+    params: dict[tuple, jax.Array] = {}
+    for file, entries in plan.items():
+        with safe_open(path / file, framework="flax") as f:
+            for name, tensor, index in entries:
+                target = shapes[tensor.ours]
+                value = tensor.to_ours(np.asarray(f.get_tensor(name)), config)
+                if value.shape != target.shape[len(index):]:
+                    raise ValueError(f"{path / file}: {name} gives shape {value.shape} for "
+                                     f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index):]}")
+                if tensor.ours not in buffers:
+                    buffers[tensor.ours] = np.empty(target.shape, target.dtype)
+                buffers[tensor.ours][index] = value.astype(target.dtype, copy=False)
+                remaining[tensor.ours] -= 1
+                if not remaining[tensor.ours]:
+                    params[tensor.ours] = jax.device_put(buffers.pop(tensor.ours))
+    unused = sorted(set(files) - {name for entries in plan.values() for name, _, _ in entries})
+    if unused:
+        log.warning("%s: %d tensors not used by the model, e.g. %s", path, len(unused), ", ".join(unused[:3]))
+    nnx.replace_by_pure_dict(state, unflatten_dict(params))
+    return nnx.merge(graphdef, state)
+
+
+class _Shards:
+    """Collects tensors; writes a shard when the next tensor would take it past `max_bytes`."""
+
+    def __init__(self, path: pathlib.Path, max_bytes: int):
+        self.path, self.max_bytes = path, max_bytes
+        self.pending: dict[str, np.ndarray] = {}
+        self.pending_bytes = self.total_bytes = 0
+        self.files: list[pathlib.Path] = []
+        self.shard_of: dict[str, int] = {}
+
+    def add(self, name: str, array: np.ndarray) -> None:
+        if self.pending and self.pending_bytes + array.nbytes > self.max_bytes:
+            self._flush()
+        self.pending[name] = array
+        self.pending_bytes += array.nbytes
+
+    def _flush(self) -> None:
+        file = self.path / f"model-{len(self.files) + 1:05d}.safetensors.partial"
+        save_file(self.pending, file, metadata={"format": "pt"})
+        self.shard_of.update(dict.fromkeys(self.pending, len(self.files)))
+        self.files.append(file)
+        self.total_bytes += self.pending_bytes
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        """Writes the last shard, names the shards (model.safetensors when one) and writes the index when several."""
+        if self.pending or not self.files:
+            self._flush()
+        count = len(self.files)
+        names = [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for file, name in zip(self.files, names):
+            file.rename(self.path / name)
+        if count > 1:
+            index = {"metadata": {"total_size": self.total_bytes},
+                     "weight_map": {tensor: names[shard] for tensor, shard in self.shard_of.items()}}
+            (self.path / INDEX).write_text(json.dumps(index, indent=2))
+        return names
+
+
+def save_pretrained(model: nnx.Module, path: str | pathlib.Path, *, max_shard_bytes: int = 2**31,
+                    extra_config: dict | None = None) -> list[str]:
+    """Writes `model` as a Hugging Face directory (config.json + safetensors shards, + index when several) that
+    `transformers.AutoModelForCausalLM.from_pretrained` loads; tensors keep the parameters' dtype.
+
+    `extra_config` keys (e.g. bos_token_id, eos_token_id, max_position_embeddings) go into config.json over the
+    derived ones. Weights of an earlier save in `path` (model*.safetensors, index) are removed first.
+    Returns the shard file names.
+    """
+    path = pathlib.Path(path)
+    config = model.config
+    family = by_family(config.family)
+    hf_config = {**family.config_to_hf(config), "torch_dtype": config.param_dtype, **(extra_config or {})}
+    params = flatten_dict(nnx.to_pure_dict(nnx.state(model)))
+    path.mkdir(parents=True, exist_ok=True)
+    for old in [path / SINGLE, path / INDEX, *path.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    shards = _Shards(path, max_shard_bytes)
+    for tensor in family.tensors(config):
+        for fields, index in tensor.slices(config):
+            value = np.asarray(jax.device_get(params[tensor.ours][index]))
+            shards.add(tensor.hf.format(**fields), np.ascontiguousarray(tensor.to_hf(value, config)))
+    names = shards.finish()
+    (path / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+    return names

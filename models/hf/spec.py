@@ -1,0 +1,73 @@
+"""What converting one model family to and from Hugging Face consists of: a tensor table and a config mapping.
+
+A family (models/hf/llama.py, ...) describes itself with one `Family`; models/hf/convert.py only walks these
+descriptions, so a new family is added without touching another one (register it in models/hf/families.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import numpy as np
+
+from train.config import ModelConfig
+
+Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
+Slices = Callable[[ModelConfig], Iterator[tuple[dict, tuple[int, ...]]]]
+
+
+def whole(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
+    """One Hugging Face tensor fills the whole parameter."""
+    del config
+    yield {}, ()
+
+
+def per_layer(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
+    """Hugging Face layer i fills slice i of a parameter stacked on a leading layer axis."""
+    for layer in range(config.num_layers):
+        yield {"layer": layer}, (layer,)
+
+
+def same(array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Identity transform (embedding tables, norm scales)."""
+    del config
+    return array
+
+
+def transpose(array: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Hugging Face Linear weight [out, in] <-> our kernel [in, out]."""
+    del config
+    return array.T
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """Hugging Face tensors named `hf` <-> our parameter at path `ours` of the model's pure state dict.
+
+    `slices(config)` yields (fields, index): `hf.format(**fields)` names one Hugging Face tensor and `index` is
+    the leading indices of our parameter it fills (() for all of it, (layer,) in a stacked one).
+    `to_ours(tensor, config)` gives that slice and `to_hf(slice, config)` the tensor back; both only move elements.
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    to_ours: Transform = same
+    to_hf: Transform = same
+    slices: Slices = whole
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face architecture (config.json `architectures[0]`) <-> one `ModelConfig.family`.
+
+    `config_from_hf(config.json dict) -> ModelConfig` (raises ValueError for features it cannot represent),
+    `config_to_hf(ModelConfig) -> config.json dict`, `tensors(ModelConfig) -> [Tensor]` (every tensor of a
+    checkpoint of that configuration, in the order they are written).
+    """
+
+    architecture: str
+    family: str
+    config_from_hf: Callable[[dict], ModelConfig]
+    config_to_hf: Callable[[ModelConfig], dict]
+    tensors: Callable[[ModelConfig], list[Tensor]]

@@ -1,0 +1,218 @@
+"""MoE against a dense NumPy reference, routing rules, load balancing helpers, gradients, transformers."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from layers.mlp import SwiGLU
+from layers.moe import MoE, RouterBias, load_imbalance, update_router_bias
+
+EMBED, MLP, EXPERTS = 16, 8, 8
+
+
+def make(num_shared=1, n_group=1, topk_group=1, k=2, **kwargs):
+    return MoE(EMBED, num_experts=EXPERTS, experts_per_token=k, moe_mlp_dim=MLP, num_shared_experts=num_shared,
+               n_group=n_group, topk_group=topk_group, rngs=nnx.Rngs(0), **kwargs)
+
+
+def swiglu(x, gate, up, down):
+    pre = x @ gate
+    return (pre / (1 + np.exp(-pre)) * (x @ up)) @ down
+
+
+def reference_route(x, gate, bias, k, n_group, topk_group, norm_topk_prob, scale):
+    """NumPy float64 routing: x [tokens, embed] -> (experts [tokens, k], weights [tokens, k])."""
+    scores = 1 / (1 + np.exp(-(x @ gate)))
+    grouped = (scores + bias).reshape(len(x), n_group, -1)
+    group_scores = np.sort(grouped, -1)[..., -2:].sum(-1) if n_group > 1 else np.zeros((len(x), 1))
+    kept = np.zeros(group_scores.shape, bool)
+    np.put_along_axis(kept, np.argsort(-group_scores, -1)[:, :topk_group], True, -1)
+    choice = np.where(kept[..., None], grouped, -np.inf).reshape(len(x), -1)
+    experts = np.argsort(-choice, -1, kind="stable")[:, :k]
+    weights = np.take_along_axis(scores, experts, -1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts, weights * scale
+
+
+def reference_moe(moe, x, **route):
+    """Every expert on every token, combined with a dense [tokens, experts] routing matrix."""
+    p = {name: np.asarray(getattr(moe, name)[...], np.float64)
+         for name in ("gate", "bias", "experts_gate", "experts_up", "experts_down")}
+    tokens = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
+    experts, weights = reference_route(tokens, p["gate"], p["bias"], **route)
+    combine = np.zeros((len(tokens), p["gate"].shape[1]))
+    np.put_along_axis(combine, experts, weights, -1)
+    y = sum(combine[:, e:e + 1] * swiglu(tokens, p["experts_gate"][e], p["experts_up"][e], p["experts_down"][e])
+            for e in range(combine.shape[1]))
+    if moe.shared is not None:
+        y = y + swiglu(tokens, *(np.asarray(v[...], np.float64) for v in (moe.shared.gate, moe.shared.up,
+                                                                           moe.shared.down)))
+    return y.reshape(x.shape), np.bincount(experts.reshape(-1), minlength=combine.shape[1])
+
+
+def rel_err(a, b):
+    return np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b))
+
+
+@pytest.mark.parametrize("num_shared,n_group,topk_group,norm", [(0, 1, 1, True), (2, 1, 1, False),
+                                                                (0, 4, 2, True), (1, 4, 2, True)])
+def test_equals_dense_reference(num_shared, n_group, topk_group, norm):
+    moe = make(num_shared, n_group, topk_group, k=3, norm_topk_prob=norm, routed_scaling_factor=2.5)
+    moe.bias[...] = 0.1 * jax.random.normal(jax.random.key(2), (EXPERTS,))
+    x = jax.random.normal(jax.random.key(1), (2, 16, EMBED))
+    y, counts = nnx.jit(lambda m, x: m(x))(moe, x)
+    expected, expected_counts = reference_moe(moe, x, k=3, n_group=n_group, topk_group=topk_group,
+                                              norm_topk_prob=norm, scale=2.5)
+    assert y.shape == x.shape and y.dtype == jnp.float32 and counts.dtype == jnp.float32
+    assert rel_err(y, expected) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(counts), expected_counts)
+    assert float(counts.sum()) == 2 * 16 * 3
+
+
+def test_annotations_shapes_and_dtype():
+    moe = make(num_shared=2, dtype=jnp.bfloat16)
+    assert moe.gate[...].shape == (EMBED, EXPERTS) and moe.bias[...].shape == (EXPERTS,)
+    assert isinstance(moe.bias, RouterBias) and not isinstance(moe.bias, nnx.Param)
+    assert moe.experts_gate[...].shape == moe.experts_up[...].shape == (EXPERTS, EMBED, MLP)
+    assert moe.experts_down[...].shape == (EXPERTS, MLP, EMBED)
+    assert moe.experts_gate.get_metadata()["out_sharding"] == ("experts", "embed", "mlp")
+    assert moe.experts_down.get_metadata()["out_sharding"] == ("experts", "mlp", "embed")
+    assert isinstance(moe.shared, SwiGLU) and moe.shared.up[...].shape == (EMBED, 2 * MLP)
+    assert make(num_shared=0).shared is None
+    y, counts = nnx.jit(lambda m, x: m(x))(moe, jnp.ones((1, 4, EMBED)))
+    assert y.dtype == jnp.bfloat16 and counts.dtype == jnp.float32 and moe.experts_up[...].dtype == jnp.float32
+
+
+def routed(logits, bias=None, **kwargs):
+    """Routes one-hot tokens so that the router logits are exactly `logits` [tokens <= EMBED, experts]."""
+    moe = make(**kwargs)
+    moe.gate[...] = jnp.zeros((EMBED, EXPERTS)).at[:len(logits)].set(jnp.asarray(logits, jnp.float32))
+    if bias is not None:
+        moe.bias[...] = jnp.asarray(bias, jnp.float32)
+    weights, experts = nnx.jit(lambda m, t: m.route(t))(moe, jnp.eye(EMBED)[:len(logits)])
+    return np.asarray(weights), np.sort(np.asarray(experts), -1)
+
+
+def test_group_limited_routing_stays_in_the_best_groups():
+    # Expert 0 has the best score, but group 1 (experts 2, 3) has the best top-2 sum.
+    logits = [[3.0, -3.0, 1.0, 1.0, -2.0, -2.0, -2.5, -2.5]]
+    assert routed(logits, n_group=1, topk_group=1)[1].tolist() == [[0, 2]]
+    assert routed(logits, n_group=4, topk_group=1)[1].tolist() == [[2, 3]]
+    assert routed(logits, n_group=4, topk_group=2, k=3)[1].tolist() == [[0, 2, 3]]
+    # Biased scores all negative: the kept group's experts are still the only candidates (masked with -inf).
+    assert routed(logits, bias=[-5.0] * EXPERTS, n_group=4, topk_group=1)[1].tolist() == [[2, 3]]
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(EMBED, EXPERTS))
+    bias = rng.normal(size=EXPERTS)
+    _, experts = routed(logits, bias=bias, n_group=4, topk_group=2, k=3)
+    assert np.all(np.array([len(set(row // 2)) for row in experts]) <= 2)
+    expected, _ = reference_route(logits, np.eye(EXPERTS), bias, k=3, n_group=4, topk_group=2,
+                                  norm_topk_prob=True, scale=1.0)
+    np.testing.assert_array_equal(experts, np.sort(expected, -1))
+
+
+def test_bias_selects_but_weights_come_from_unbiased_scores():
+    logits = np.array([[2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0, -5.0]])
+    scores = 1 / (1 + np.exp(-logits[0]))
+    weights, experts = routed(logits, norm_topk_prob=False)
+    assert experts.tolist() == [[0, 1]]
+    bias = np.zeros(EXPERTS)
+    bias[6] = 10.0
+    weights, experts = routed(logits, bias=bias, norm_topk_prob=False)
+    assert experts.tolist() == [[0, 6]]
+    np.testing.assert_allclose(np.sort(weights[0]), np.sort(scores[[0, 6]]), rtol=1e-6)
+
+
+def test_norm_topk_prob_and_routed_scaling_factor():
+    logits = np.random.default_rng(1).normal(size=(8, EXPERTS))
+    scores = 1 / (1 + np.exp(-logits))
+    weights, experts = routed(logits, k=3, norm_topk_prob=True, routed_scaling_factor=2.5)
+    np.testing.assert_allclose(weights.sum(-1), 2.5, rtol=1e-6)
+    raw, raw_experts = routed(logits, k=3, norm_topk_prob=False, routed_scaling_factor=2.5)
+    np.testing.assert_array_equal(experts, raw_experts)
+    np.testing.assert_allclose(np.sort(raw, -1), 2.5 * np.sort(np.take_along_axis(scores, experts, -1), -1),
+                               rtol=1e-6)
+
+
+def test_ragged_dot_equals_per_expert_loop():
+    moe = make(num_shared=0, k=3)
+    tokens = jax.random.normal(jax.random.key(3), (12, EMBED))
+    # Unbalanced assignments: experts 1 and 5 get nothing, expert 0 most.
+    experts = jnp.asarray(np.random.default_rng(2).choice([0, 0, 0, 2, 3, 4, 6, 7], size=(12, 3)), jnp.int32)
+    weights = jax.random.uniform(jax.random.key(4), (12, 3))
+    y, counts = nnx.jit(lambda m, *args: m.routed_experts(*args))(moe, tokens, weights, experts)
+    expected = jnp.zeros_like(tokens)
+    for e in range(EXPERTS):
+        out = jax.nn.silu(tokens @ moe.experts_gate[e]) * (tokens @ moe.experts_up[e]) @ moe.experts_down[e]
+        expected += jnp.sum(jnp.where(experts == e, weights, 0.0), -1, keepdims=True) * out
+    assert rel_err(y, np.asarray(expected, np.float64)) <= 1e-5
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(experts).ravel(), minlength=EXPERTS))
+
+
+def test_update_router_bias_and_load_imbalance():
+    counts = jnp.array([1.0, 3.0, 2.0, 2.0])
+    bias = jnp.array([0.5, 0.5, 0.0, -1.0])
+    np.testing.assert_allclose(update_router_bias(bias, counts, 0.01), [0.51, 0.49, 0.0, -1.0], rtol=1e-6)
+    assert float(load_imbalance(counts)) == pytest.approx(1.5)
+    assert float(load_imbalance(jnp.full((4,), 7.0))) == 1.0
+
+
+def test_gradients_reach_params_but_not_the_router_bias():
+    moe = make(num_shared=1, n_group=4, topk_group=2)
+    x = jax.random.normal(jax.random.key(5), (2, 8, EMBED))
+
+    def loss(model):
+        return jnp.mean(model(x)[0] ** 2)
+
+    grads = nnx.jit(nnx.grad(loss))(moe)
+    assert not jax.tree.leaves(nnx.state(grads, RouterBias))
+    for path in (("gate",), ("experts_gate",), ("experts_up",), ("experts_down",),
+                 ("shared", "gate"), ("shared", "up"), ("shared", "down")):
+        g = np.asarray(grads[path[0]][path[1]][...] if len(path) == 2 else grads[path[0]][...])
+        assert np.all(np.isfinite(g)) and np.any(g != 0), path
+    _, params, rest = nnx.split(moe, nnx.Param, ...)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    assert "bias" not in params and list(rest) == ["bias"] and isinstance(rest["bias"], RouterBias)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(n_group=3), "divisible by n_group=3"),
+    (dict(n_group=4, topk_group=5), "topk_group=5"),
+    (dict(k=9), "experts_per_token=9"),
+    (dict(n_group=4, topk_group=1, k=3), "experts_per_token=3 must be in \\[1, 2\\]"),
+    (dict(n_group=8, topk_group=1), "at least 2 experts per group"),
+    (dict(num_shared=-1), "num_shared_experts=-1"),
+])
+def test_invalid_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make(**kwargs)
+
+
+def test_equals_transformers():
+    torch = pytest.importorskip("torch")
+    modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+    config = modeling.DeepseekV3Config(
+        hidden_size=EMBED, moe_intermediate_size=MLP, n_routed_experts=EXPERTS, num_experts_per_tok=3,
+        n_shared_experts=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    hf = modeling.DeepseekV3MoE(config)
+    moe = make(num_shared=2, n_group=4, topk_group=2, k=3, routed_scaling_factor=2.5)
+    moe.bias[...] = jnp.linspace(-1.5, -0.5, EXPERTS)  # negative biased scores: the group mask value matters
+
+    def t(v):
+        return torch.from_numpy(np.array(v[...]).T.copy())
+
+    with torch.no_grad():
+        hf.gate.weight.copy_(t(moe.gate))
+        hf.gate.e_score_correction_bias.copy_(torch.from_numpy(np.array(moe.bias[...])))
+        hf.experts.gate_up_proj.copy_(torch.cat([torch.from_numpy(np.array(moe.experts_gate[...])),
+                                                 torch.from_numpy(np.array(moe.experts_up[...]))], -1).transpose(1, 2))
+        hf.experts.down_proj.copy_(torch.from_numpy(np.array(moe.experts_down[...])).transpose(1, 2))
+        for name in ("gate", "up", "down"):
+            getattr(hf.shared_experts, f"{name}_proj").weight.copy_(t(getattr(moe.shared, name)))
+        x = np.array(jax.random.normal(jax.random.key(6), (2, 16, EMBED)))
+        expected = hf(torch.from_numpy(x)).numpy()
+    y, _ = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
