@@ -1,8 +1,9 @@
 """Hugging Face checkpoints (config.json + safetensors, one file or index + shards) <-> our models, streamed.
 
-Loading reads one tensor at a time and hands each parameter to JAX as soon as all its tensors are in, so host
-memory stays about the model plus one tensor. Saving converts one tensor at a time and writes a shard as soon
-as the next tensor would take it past `max_shard_bytes`, so host memory stays about the model plus one shard.
+Loading reads one tensor at a time and hands each parameter to JAX as soon as all its tensors are in, so beside
+the model it holds one tensor. Saving converts one tensor at a time and writes a shard as soon as the next
+tensor would take it past `max_shard_bytes`, so beside the model it holds one shard of converted tensors (and,
+from an accelerator, one parameter fetched to the host). bench/hf_memory.py measures both.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import pathlib
 
 import jax
@@ -17,12 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.traverse_util import flatten_dict, unflatten_dict
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 import models
 from models.dtypes import NAMES
 from models.hf.families import by_architecture, by_family
+from models.hf.reader import SafetensorsFile
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,7 @@ def weight_map(path: pathlib.Path) -> dict[str, str]:
     if (path / INDEX).is_file():
         return json.loads((path / INDEX).read_text())["weight_map"]
     if (path / SINGLE).is_file():
-        with safe_open(path / SINGLE, framework="flax") as f:
-            return dict.fromkeys(f.keys(), SINGLE)
+        return dict.fromkeys(SafetensorsFile(path / SINGLE).keys(), SINGLE)
     raise FileNotFoundError(f"{path} holds neither {SINGLE} nor {INDEX}")
 
 
@@ -61,8 +62,18 @@ def _dtype_name(dtype) -> str:
     return name
 
 
-def _plan(family, config, files: dict[str, str], path: pathlib.Path) -> dict[str, list]:
-    """File name -> [(tensor name, Tensor, index into our parameter)] of every tensor the model needs."""
+def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """np.empty at a 64-byte aligned address: jax.device_put on CPU adopts such a buffer instead of copying it."""
+    dtype = np.dtype(dtype)
+    size = math.prod(shape) * dtype.itemsize
+    raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start:start + size].view(dtype).reshape(shape)
+
+
+def _plan(family, config, files: dict[str, str], shapes: dict, path: pathlib.Path) -> dict[str, list]:
+    """File name -> [(tensor name, Tensor, index into our parameter)] for every tensor the model needs; checks that
+    each is in `files` and that every parameter in `shapes` is filled by some tensor."""
     plan: dict[str, list] = {}
     missing = []
     for tensor in family.tensors(config):
@@ -74,13 +85,45 @@ def _plan(family, config, files: dict[str, str], path: pathlib.Path) -> dict[str
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. "
                          f"{', '.join(missing[:3])}")
+    unfilled = set(shapes) - {tensor.ours for entries in plan.values() for _, tensor, _ in entries}
+    if unfilled:
+        raise ValueError(f"{family.architecture}: no tensor fills parameter(s) "
+                         f"{', '.join('.'.join(ours) for ours in sorted(unfilled))}")
     return plan
+
+
+def _read(path: pathlib.Path, plan: dict[str, list], shapes: dict, config) -> dict[tuple, jax.Array]:
+    """Reads the planned tensors one at a time into host buffers of our parameters' shapes; each parameter goes to
+    JAX (and its buffer is dropped) once its last tensor is in. Returns {parameter path: array}."""
+    remaining = dict.fromkeys(shapes, 0)
+    for entries in plan.values():
+        for _, tensor, _ in entries:
+            remaining[tensor.ours] += 1
+    buffers: dict[tuple, np.ndarray] = {}
+    params: dict[tuple, jax.Array] = {}
+    for file, entries in plan.items():
+        reader = SafetensorsFile(path / file)
+        for name, tensor, index in entries:
+            target = shapes[tensor.ours]
+            value = tensor.to_ours(reader.get(name), config)
+            if value.shape != target.shape[len(index):]:
+                raise ValueError(f"{path / file}: {name} gives shape {value.shape} for "
+                                 f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index):]}")
+            if tensor.ours not in buffers:
+                buffers[tensor.ours] = _aligned_empty(target.shape, target.dtype)
+            buffers[tensor.ours][index] = value.astype(target.dtype, copy=False)
+            del value  # freed before the next read
+            remaining[tensor.ours] -= 1
+            if not remaining[tensor.ours]:
+                params[tensor.ours] = jax.device_put(buffers.pop(tensor.ours))
+    return params
 
 
 def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32) -> nnx.Module:
     """Hugging Face model directory -> our model (models.build of the converted config), parameters in `dtype`.
 
     The model maps tokens [batch, length] (and optional positions / segment_ids) to logits [batch, length, vocab].
+    Tensors the model does not use (e.g. lm_head.weight of a tied model) are named in a warning.
     """
     path = pathlib.Path(path)
     hf_config = read_config(path)
@@ -89,33 +132,11 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32) -> nnx.Module:
     graphdef, state = abstract_model(config)
     shapes = flatten_dict(nnx.to_pure_dict(state))
     files = weight_map(path)
-    plan = _plan(family, config, files, path)
-    remaining = {ours: 0 for ours in shapes}
-    for _, tensor, _ in (entry for entries in plan.values() for entry in entries):
-        remaining[tensor.ours] += 1
-    unfilled = [".".join(ours) for ours, count in remaining.items() if not count]
-    if unfilled:
-        raise ValueError(f"{family.architecture}: no tensor fills parameter(s) {', '.join(unfilled)}")
-    buffers: dict[tuple, np.ndarray] = {}
-    params: dict[tuple, jax.Array] = {}
-    for file, entries in plan.items():
-        with safe_open(path / file, framework="flax") as f:
-            for name, tensor, index in entries:
-                target = shapes[tensor.ours]
-                value = tensor.to_ours(np.asarray(f.get_tensor(name)), config)
-                if value.shape != target.shape[len(index):]:
-                    raise ValueError(f"{path / file}: {name} gives shape {value.shape} for "
-                                     f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index):]}")
-                if tensor.ours not in buffers:
-                    buffers[tensor.ours] = np.empty(target.shape, target.dtype)
-                buffers[tensor.ours][index] = value.astype(target.dtype, copy=False)
-                remaining[tensor.ours] -= 1
-                if not remaining[tensor.ours]:
-                    params[tensor.ours] = jax.device_put(buffers.pop(tensor.ours))
+    plan = _plan(family, config, files, shapes, path)
     unused = sorted(set(files) - {name for entries in plan.values() for name, _, _ in entries})
     if unused:
         log.warning("%s: %d tensors not used by the model, e.g. %s", path, len(unused), ", ".join(unused[:3]))
-    nnx.replace_by_pure_dict(state, unflatten_dict(params))
+    nnx.replace_by_pure_dict(state, unflatten_dict(_read(path, plan, shapes, config)))
     return nnx.merge(graphdef, state)
 
 
@@ -177,9 +198,9 @@ def save_pretrained(model: nnx.Module, path: str | pathlib.Path, *, max_shard_by
         old.unlink(missing_ok=True)
     shards = _Shards(path, max_shard_bytes)
     for tensor in family.tensors(config):
+        host = np.asarray(params[tensor.ours])  # no copy on CPU; one (stacked) parameter from an accelerator
         for fields, index in tensor.slices(config):
-            value = np.asarray(jax.device_get(params[tensor.ours][index]))
-            shards.add(tensor.hf.format(**fields), np.ascontiguousarray(tensor.to_hf(value, config)))
+            shards.add(tensor.hf.format(**fields), np.ascontiguousarray(tensor.to_hf(host[index], config)))
     names = shards.finish()
     (path / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
     return names

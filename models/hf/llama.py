@@ -41,8 +41,8 @@ def config_to_hf(config: ModelConfig) -> dict:
         "hidden_size": config.embed_dim, "intermediate_size": config.mlp_dim,
         "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
         "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings, "max_position_embeddings": int(rope.factor *
-                                                                                     rope.original_max_position_embeddings),
+        "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": int(rope.factor * rope.original_max_position_embeddings),
         **REQUIRED, **rope_to_hf(config, ARCHITECTURE, ROPE_TYPES),
     }
 
