@@ -7,12 +7,16 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 import models
 from layers.moe import RouterBias
-from train.config import load_config
+from parallel.mesh import make_mesh
+from train.config import MeshConfig, load_config
 from train.loop import run
+from train.state import create_state
+from train.step import make_train_step
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = load_config(REPO / "configs" / "deepseek-tiny.yaml", ["model.dtype=float32"]).model
@@ -66,3 +70,21 @@ def test_tiny_config_trains_over_context_tensor_and_expert_axes(tmp_path):
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["loss"] < logged[0]["loss"] - 0.5, logged
     assert all(np.isfinite(r["loss"]) and r["expert_imbalance"] >= 1.0 for r in logged)
+
+
+def test_train_step_moves_the_router_bias_outside_the_gradient():
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    state = create_state(TINY, optax.sgd(0.0), mesh, seed=0)  # zero learning rate: only the bias may move
+    ids = np.asarray(tokens(4, 32))
+    batch = dict(tokens=ids, targets=np.roll(ids, -1, 1), segment_ids=np.ones_like(ids),
+                 positions=np.tile(np.arange(32, dtype=np.int32), (4, 1)), loss_mask=np.ones(ids.shape, np.float32))
+    step = make_train_step(state, mesh, chunk_size=32, accum_steps=2)
+    with jax.set_mesh(mesh):
+        new_state, metrics = step(jax.tree.map(jnp.copy, state.state), batch)
+    model = nnx.merge(state.graphdef, new_state)[0]
+    bias = np.asarray(model.moe_layers.mlp.bias[...])
+    assert np.all(np.isin(np.round(bias / TINY.router_bias_rate), [-1, 0, 1])) and np.any(bias != 0)
+    assert float(metrics["expert_imbalance"]) >= 1.0
+    before = nnx.merge(state.graphdef, state.state)[0]
+    np.testing.assert_array_equal(np.asarray(model.moe_layers.mlp.experts_up[...]),
+                                  np.asarray(before.moe_layers.mlp.experts_up[...]))
