@@ -17,6 +17,7 @@ from layers.mla import MLA
 from layers.mlp import SwiGLU
 from layers.moe import MoE, load_imbalance, update_router_bias
 from layers.norm import RMSNorm
+from models.decoder import Decoder, default_positions
 from models.dtypes import compute_dtype, param_dtype
 from models.stack import make_stack, run_stack
 
@@ -51,7 +52,7 @@ class Block(nnx.Module):
         return parallel.shard(x + y, ("batch", "length", "embed")), counts
 
 
-class DeepSeek(nnx.Module):
+class DeepSeek(Decoder):
     """tokens [batch, length] -> hidden [batch, length, embed] -> logits [batch, length, vocab]."""
 
     def __init__(self, config, *, rngs: nnx.Rngs):
@@ -68,8 +69,7 @@ class DeepSeek(nnx.Module):
     def hidden(self, tokens, positions=None, segment_ids=None):
         """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed],
         aux {"expert_counts": [moe layers, experts] float32} (empty without MoE layers))."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        positions = default_positions(tokens, positions)
         x = parallel.shard(self.embed(tokens), ("batch", "length", "embed"))
         aux = {}
         if self.dense_layers is not None:
@@ -90,13 +90,3 @@ class DeepSeek(nnx.Module):
                                                                         self.config.router_bias_rate)
         imbalance = jax.vmap(load_imbalance)(counts)
         return {"expert_imbalance": jnp.max(imbalance), "expert_imbalance_mean": jnp.mean(imbalance)}
-
-    def output_kernel(self):
-        """[embed, vocab] matrix mapping hidden states to logits."""
-        return self.embed.as_output_kernel() if self.head is None else self.head.output_kernel()
-
-    def __call__(self, tokens, positions=None, segment_ids=None):
-        """-> logits [batch, length, vocab] in float32 (for sampling and reference checks, not the loss)."""
-        hidden, _ = self.hidden(tokens, positions, segment_ids)
-        return jnp.einsum("bte,ev->btv", hidden, self.output_kernel().astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)

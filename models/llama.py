@@ -5,7 +5,6 @@ Versions differ only in config fields (heads, kv heads, rope theta and scaling, 
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
 import parallel
@@ -13,6 +12,7 @@ from layers.attention import Attention
 from layers.embed import Embed, OutputHead
 from layers.mlp import SwiGLU
 from layers.norm import RMSNorm
+from models.decoder import Decoder, default_positions
 from models.dtypes import compute_dtype, param_dtype
 from models.stack import make_stack, run_stack
 
@@ -35,7 +35,7 @@ class Block(nnx.Module):
         return parallel.shard(x, ("batch", "length", "embed")), None
 
 
-class Llama(nnx.Module):
+class Llama(Decoder):
     """tokens [batch, length] -> hidden [batch, length, embed] -> logits [batch, length, vocab]."""
 
     def __init__(self, config, *, rngs: nnx.Rngs):
@@ -48,18 +48,7 @@ class Llama(nnx.Module):
 
     def hidden(self, tokens, positions=None, segment_ids=None):
         """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed], aux {})."""
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        positions = default_positions(tokens, positions)
         x = parallel.shard(self.embed(tokens), ("batch", "length", "embed"))
         x, _ = run_stack(self.layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
         return self.final_norm(x), {}
-
-    def output_kernel(self):
-        """[embed, vocab] matrix mapping hidden states to logits."""
-        return self.embed.as_output_kernel() if self.head is None else self.head.output_kernel()
-
-    def __call__(self, tokens, positions=None, segment_ids=None):
-        """-> logits [batch, length, vocab] in float32 (for sampling and reference checks, not the loss)."""
-        hidden, _ = self.hidden(tokens, positions, segment_ids)
-        return jnp.einsum("bte,ev->btv", hidden, self.output_kernel().astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)

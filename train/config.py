@@ -76,6 +76,10 @@ class ModelConfig:
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
 
 
+# ModelConfig fields a run chooses, free to change between restarts; the rest is the architecture
+RUNTIME_FIELDS = ("dtype", "remat_policy", "loss_chunk_size")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where text comes from and how it becomes packed rows of `seq_len` tokens."""

@@ -20,7 +20,7 @@ import yaml
 from parallel.context import attention_plan, check_context, to_layout
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.checkpoint import Checkpointer, restore_model_params
-from train.config import Config, ConfigError, to_dict
+from train.config import RUNTIME_FIELDS, Config, ConfigError, to_dict
 from train.data import build_dataset
 from train.errors import NonFiniteLoss
 from train.flops import flops_per_token, peak_flops_per_device
@@ -50,7 +50,6 @@ class Stop:
             signal.signal(sig, handler)
 
 
-RUNTIME_FIELDS = ("dtype", "remat_policy", "loss_chunk_size")  # may change between restarts of one run
 
 
 def check_run_directory(output: pathlib.Path, config: Config) -> None:

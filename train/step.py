@@ -41,17 +41,15 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
         return loss, (n, aux)
 
     def micro_step(carry, micro_batch):
-        grads_sum, loss_sum, count, aux_sum = carry
+        grads_sum, loss_sum, count = carry
         (loss, (n, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, micro_batch)
-        return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, count + n,
-                jax.tree.map(jnp.add, aux_sum, aux)), None
+        return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, count + n), aux
 
-    first = jax.tree.map(lambda x: x[0], micro)
-    aux_zeros = jax.tree.map(jnp.zeros_like, jax.eval_shape(loss_of, params, first)[1][1])
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss_sum, count, aux), _ = jax.lax.scan(micro_step, (zeros, 0.0, 0.0, aux_zeros), micro)
+    (grads, loss_sum, count), aux = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), micro)
     denominator = jnp.maximum(count, 1.0)
-    return jax.tree.map(lambda g: g / denominator, grads), loss_sum / denominator, count, aux
+    return (jax.tree.map(lambda g: g / denominator, grads), loss_sum / denominator, count,
+            jax.tree.map(lambda a: a.sum(0), aux))
 
 
 def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int,

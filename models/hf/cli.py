@@ -23,12 +23,10 @@ from flax import nnx
 
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
 from train.checkpoint import restore_model_params
-from train.config import ConfigError, ModelConfig, from_dict, load_config
+from train.config import RUNTIME_FIELDS, ConfigError, ModelConfig, from_dict, load_config
 
 MODEL_YAML = "model.yaml"
 HF_CONFIG = "hf_config.json"
-# ModelConfig fields a run chooses (train.loop.RUNTIME_FIELDS, not imported: train.loop is slow to import)
-RUNTIME_FIELDS = ("dtype", "remat_policy", "loss_chunk_size")
 # config.json keys the model does not determine, carried from the imported config.json on export
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
