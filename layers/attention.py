@@ -1,4 +1,5 @@
-"""Grouped-query self-attention with rotary embeddings; the attention itself is `parallel.attention`."""
+"""Grouped-query self-attention with rotary embeddings; the attention itself is `parallel.attention`, the
+projections gather tokens (`parallel.gather`) and reduce-scatter them (`parallel.project_scatter`)."""
 
 from __future__ import annotations
 
@@ -34,13 +35,17 @@ class Attention(nnx.Module):
                         param_dtype)
 
     def __call__(self, x, positions, segment_ids=None):
-        """x: [batch, length, embed], positions/segment_ids: [batch, length] -> [batch, length, embed]."""
-        x = x.astype(self.dtype)
-        q = checkpoint_name(jnp.einsum("bte,ehd->bthd", x, self.q[...].astype(self.dtype)), "q_proj")
-        k = checkpoint_name(jnp.einsum("bte,ehd->bthd", x, self.k[...].astype(self.dtype)), "k_proj")
-        v = checkpoint_name(jnp.einsum("bte,ehd->bthd", x, self.v[...].astype(self.dtype)), "v_proj")
+        """x: [batch, length, embed] (the residual stream's layout, scattered over `tensor` under scattered tensor
+        parallelism), positions/segment_ids: [batch, length] -> [batch, length, embed] in x's layout."""
+        tokens = parallel.gather(x.astype(self.dtype))
+        q = checkpoint_name(tokens.project("bte,ehd->bthd", self.q[...].astype(self.dtype), "h"), "q_proj")
+        k = checkpoint_name(tokens.project("bte,ehd->bthd", self.k[...].astype(self.dtype), "h", repeat=True),
+                            "k_proj")
+        v = checkpoint_name(tokens.project("bte,ehd->bthd", self.v[...].astype(self.dtype), "h", repeat=True),
+                            "v_proj")
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq, self.rope_factor)
         k = apply_rope(k, positions, inv_freq, self.rope_factor)
         out = parallel.attention(q, k, v, segment_ids=segment_ids, causal=True, scale=self.head_dim**-0.5)
-        return checkpoint_name(jnp.einsum("bthd,hde->bte", out, self.o[...].astype(self.dtype)), "o_proj")
+        return checkpoint_name(parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"),
+                                "o_proj")

@@ -1,6 +1,8 @@
 """DeepSeek-V2/V3 multi-head latent attention (Hugging Face `DeepseekV3Attention`) over `parallel.attention`.
 Hugging Face q_a_proj, q_a_layernorm, q_b_proj, q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj map to
-q_a, q_a_norm, q_b, q, kv_a, kv_a_norm, kv_b, o; a Linear weight [out, in] is our kernel [in, ...out] transposed."""
+q_a, q_a_norm, q_b, q, kv_a, kv_a_norm, kv_b, o; a Linear weight [out, in] is our kernel [in, ...out] transposed.
+q_a_norm / kv_a_norm use eps 1e-6 (`norm_eps`' default) whatever the model's norm eps, as DeepSeek's and
+transformers' latent norms do."""
 
 from __future__ import annotations
 
@@ -51,23 +53,31 @@ class MLA(nnx.Module):
                         ("heads", "head_dim", "embed"), param_dtype)
 
     def __call__(self, x, positions, segment_ids=None):
-        """x: [batch, length, embed], positions/segment_ids: [batch, length] -> [batch, length, embed]."""
+        """x: [batch, length, embed] in the residual stream's layout, positions/segment_ids: [batch, length] ->
+        [batch, length, embed] in x's layout. Under scattered tensor parallelism the down-projections and their
+        norms run on the scattered tokens and only their outputs (q_lora + kv_lora + rope features; the hidden
+        size instead of q_lora without query low-rank) are gathered."""
         x = x.astype(self.dtype)
         if self.q_lora_rank > 0:
-            q_low = checkpoint_name(x @ self.q_a[...].astype(self.dtype), "q_a_proj")
-            q = jnp.einsum("btr,rhd->bthd", self.q_a_norm(q_low), self.q_b[...].astype(self.dtype))
+            query_in = self.q_a_norm(checkpoint_name(x @ self.q_a[...].astype(self.dtype), "q_a_proj"))
+            q_kernel = self.q_b[...]
         else:
-            q = jnp.einsum("bte,ehd->bthd", x, self.q[...].astype(self.dtype))
-        q = checkpoint_name(q, "q_proj")
+            query_in, q_kernel = x, self.q[...]
         kv_low = checkpoint_name(x @ self.kv_a[...].astype(self.dtype), "kv_a_proj")
-        latent, k_pe = kv_low[..., :self.kv_lora_rank], kv_low[..., None, self.kv_lora_rank:]
-        kv = jnp.einsum("btr,rhd->bthd", self.kv_a_norm(latent), self.kv_b[...].astype(self.dtype))
+        latent = self.kv_a_norm(kv_low[..., :self.kv_lora_rank])
+        tokens = parallel.gather(jnp.concatenate([query_in, latent, kv_low[..., self.kv_lora_rank:]], axis=-1))
+        q_width, kv_width = query_in.shape[-1], query_in.shape[-1] + self.kv_lora_rank
+        q = tokens.features(0, q_width).project("btr,rhd->bthd", q_kernel.astype(self.dtype), "h")
+        q = checkpoint_name(q, "q_proj")
+        kv = tokens.features(q_width, kv_width).project("btr,rhd->bthd", self.kv_b[...].astype(self.dtype), "h")
         k_nope = checkpoint_name(kv[..., :self.qk_nope_head_dim], "k_proj")
         value = checkpoint_name(kv[..., self.qk_nope_head_dim:], "v_proj")
+        k_pe = tokens.features(kv_width).per_head(q.shape[2])
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q_pe = apply_rope(q[..., self.qk_nope_head_dim:], positions, inv_freq, self.rope_factor, interleaved=True)
         k_pe = apply_rope(k_pe, positions, inv_freq, self.rope_factor, interleaved=True)
         query = jnp.concatenate([q[..., :self.qk_nope_head_dim], q_pe], axis=-1)
-        key = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe, (*k_nope.shape[:3], k_pe.shape[-1]))], axis=-1)
+        key = jnp.concatenate([k_nope, k_pe], axis=-1)
         out = parallel.attention(query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale)
-        return checkpoint_name(jnp.einsum("bthd,hde->bte", out, self.o[...].astype(self.dtype)), "o_proj")
+        return checkpoint_name(parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"),
+                                "o_proj")

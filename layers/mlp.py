@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
+import parallel
 from layers.params import logical_param
 
 # Truncated normal (within two standard deviations) rescaled to a standard deviation of exactly
@@ -37,8 +39,10 @@ class SwiGLU(nnx.Module):
         )
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [batch, length, embed] -> [batch, length, embed] in `dtype`."""
-        x = x.astype(self.dtype)
-        gate = x @ self.gate[...].astype(self.dtype)
-        up = x @ self.up[...].astype(self.dtype)
-        return (jax.nn.silu(gate) * up) @ self.down[...].astype(self.dtype)
+        """x: [batch, length, embed] in the residual stream's layout -> [batch, length, embed] in `dtype`, same
+        layout (tokens gathered before gate / up, reduce-scattered after down under scattered tensor parallelism)."""
+        tokens = parallel.gather(x.astype(self.dtype))
+        gate = checkpoint_name(tokens.project("bte,ef->btf", self.gate[...].astype(self.dtype), "f"), "mlp_gate")
+        up = checkpoint_name(tokens.project("bte,ef->btf", self.up[...].astype(self.dtype), "f"), "mlp_up")
+        down = parallel.project_scatter("btf,fe->bte", jax.nn.silu(gate) * up, self.down[...].astype(self.dtype), "f")
+        return checkpoint_name(down, "mlp_down")

@@ -1,7 +1,8 @@
-"""DeepSeek-V3 mixture of experts (as Hugging Face `DeepseekV3MoE` / `DeepseekV3TopkRouter`).
+"""DeepSeek-V2/V3 mixture of experts (as Hugging Face `DeepseekV3MoE` / `DeepseekV2Moe`).
 
-Sigmoid router with an aux-loss-free selection bias and optional group-limited routing; dropless routed
-experts computed with `jax.lax.ragged_dot` over token assignments sorted by expert; optional shared experts.
+Router scores are DeepSeek-V3's sigmoid, with an aux-loss-free selection bias, or DeepSeek-V2's softmax over all
+experts, without one; optional group-limited routing; dropless routed experts computed with `jax.lax.ragged_dot`
+over token assignments sorted by expert; optional shared experts.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import parallel
 from layers.mlp import SwiGLU
 from layers.params import logical_param
 
 # Fan-in scaled truncated normal; for expert kernels [experts, in, out] the experts axis is a batch axis.
 _router_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 _expert_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", batch_axis=(0,))
+ROUTER_SCORES = ("sigmoid", "softmax")
 
 
 class RouterBias(nnx.Variable):
@@ -35,9 +38,10 @@ def load_imbalance(counts: jax.Array) -> jax.Array:
 class MoE(nnx.Module):
     """Routed SwiGLU experts (top-k of `num_experts`) plus optional shared experts.
 
-    Parameters: gate [embed, experts] (router), bias RouterBias [experts], experts_gate / experts_up
+    Parameters: gate [embed, experts] (router), bias RouterBias [experts] (selection bias of sigmoid routing;
+    softmax routing leaves it unused), experts_gate / experts_up
     [experts, embed, moe_mlp], experts_down [experts, moe_mlp, embed], shared SwiGLU(moe_mlp * num_shared) or None.
-    Hugging Face: gate = mlp.gate.weight.T, bias = mlp.gate.e_score_correction_bias,
+    Hugging Face: gate = mlp.gate.weight.T, bias = mlp.gate.e_score_correction_bias (V3),
     experts_{gate,up,down}[i] = mlp.experts.{i}.{gate,up,down}_proj.weight.T,
     shared.{gate,up,down} = mlp.shared_experts.{gate,up,down}_proj.weight.T.
     """
@@ -54,13 +58,16 @@ class MoE(nnx.Module):
         topk_group: int = 1,
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
+        router_score: str = "sigmoid",
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
+        if router_score not in ROUTER_SCORES:
+            raise ValueError(f"router_score={router_score!r} must be one of {', '.join(ROUTER_SCORES)}")
         if n_group < 1 or num_experts % n_group:
             raise ValueError(f"num_experts={num_experts} must be divisible by n_group={n_group} (n_group >= 1)")
-        if n_group > 1 and num_experts // n_group < 2:
+        if router_score == "sigmoid" and n_group > 1 and num_experts // n_group < 2:
             raise ValueError(f"group-limited routing scores each group by its top 2 experts; num_experts={num_experts} "
                              f"/ n_group={n_group} leaves {num_experts // n_group}; use at least 2 experts per group")
         if not 1 <= topk_group <= n_group:
@@ -77,6 +84,7 @@ class MoE(nnx.Module):
         self.topk_group = topk_group
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
+        self.router_score = router_score
         self.dtype = dtype
         # The router's experts axis stays whole: every token's selection needs all of its scores.
         self.gate = logical_param(_router_init(rngs.params(), (embed_dim, num_experts), param_dtype), ("embed", None))
@@ -95,19 +103,27 @@ class MoE(nnx.Module):
     def route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens: [tokens, embed] -> (weights [tokens, k] float32, experts [tokens, k] int32).
 
-        Experts are chosen by sigmoid scores + bias (within the topk_group best groups); the weights are
-        the un-biased scores of the chosen experts, renormalised if norm_topk_prob, times the scaling factor.
+        sigmoid (DeepSeek-V3): experts are chosen by sigmoid scores + bias, groups scored by the sum of their
+        top 2 choice scores. softmax (DeepSeek-V2): experts are chosen by the softmax over all experts, groups
+        scored by their best expert; the bias is not used. Either picks the top experts within the topk_group best
+        groups; the weights are the un-biased scores of the chosen experts, renormalised if norm_topk_prob, times
+        the scaling factor.
         """
         logits = jnp.dot(tokens.astype(jnp.float32), self.gate[...].astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
-        scores = jax.nn.sigmoid(logits)
-        choice = scores + self.bias[...].astype(jnp.float32)
+        if self.router_score == "softmax":
+            scores = choice = jax.nn.softmax(logits, axis=-1)
+        else:
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.bias[...].astype(jnp.float32)
         if self.n_group > 1:
             grouped = choice.reshape(choice.shape[0], self.n_group, -1)
-            group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [tokens, n_group]
+            group_scores = (grouped.max(-1) if self.router_score == "softmax"
+                            else jax.lax.top_k(grouped, 2)[0].sum(-1))  # [tokens, n_group]
             kept = jax.nn.one_hot(jax.lax.top_k(group_scores, self.topk_group)[1], self.n_group).sum(-2) > 0
             # Other groups' experts are excluded with -inf, as in transformers 5 and DeepSeek-V3's reference code
-            # (transformers 4 filled 0.0, which picks them when every kept biased score is negative).
+            # (transformers 4 filled 0.0, which picks them when every kept biased score is negative; DeepSeek-V2
+            # fills 0.0 too, the same as -inf for its positive softmax scores).
             choice = jnp.where(kept[..., None], grouped, -jnp.inf).reshape(choice.shape)
         experts = jax.lax.top_k(choice, self.experts_per_token)[1]
         weights = jnp.take_along_axis(scores, experts, axis=-1)
@@ -131,11 +147,15 @@ class MoE(nnx.Module):
         return unsorted.reshape(num_tokens, k, -1).sum(1).astype(self.dtype), group_sizes
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x: [batch, length, embed] -> (y [batch, length, embed] in `dtype`, expert loads [experts] float32)."""
-        tokens = x.reshape(-1, x.shape[-1])
+        """x: [batch, length, embed] in the residual stream's layout -> (y [batch, length, embed] in `dtype`, same
+        layout, expert loads [experts] float32). The routed experts see every token of the local sequence pieces
+        (GSPMD gathers them over `tensor` under scattered tensor parallelism and reduce-scatters the output); the
+        shared experts are a SwiGLU with explicit collectives."""
+        gathered = parallel.shard(x, ("batch", "length", "embed"))
+        tokens = gathered.reshape(-1, x.shape[-1])
         weights, experts = self.route(tokens)
         y, counts = self.routed_experts(tokens, weights, experts)
-        y = y.reshape(x.shape)
+        y = parallel.residual(y.reshape(x.shape))
         if self.shared is not None:
             y = y + self.shared(x)
         return y, counts.astype(jnp.float32)

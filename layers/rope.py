@@ -4,10 +4,10 @@ Frequencies follow `_compute_default_rope_parameters`, `_compute_llama3_paramete
 `_compute_yarn_parameters` of `transformers.modeling_rope_utils`; they are derived in float64 and
 returned as float32. Rotation angles are always computed in float32.
 
-Differences from Hugging Face, by design: yarn uses `scaling.factor` as given (Hugging Face
-replaces it by max_position_embeddings / original_max_position_embeddings when both are present,
-so a converted config must carry that ratio as `factor`), and an explicit `attention_factor`
-override is not supported.
+Differences from Hugging Face, by design: yarn always truncates the correction range (Hugging Face's
+`truncate`, default true) and an explicit `attention_factor` override is not supported. Like Hugging
+Face, yarn uses `scaling.factor` as given (Hugging Face falls back to max_position_embeddings /
+original_max_position_embeddings only when factor is absent). A zero `mscale` stands for Hugging Face's absent one.
 """
 
 from __future__ import annotations

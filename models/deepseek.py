@@ -31,15 +31,15 @@ class Block(nnx.Module):
         self.attn = MLA(config.embed_dim, config.num_heads, q_lora_rank=config.q_lora_rank,
                         kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
                         qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-                        rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, norm_eps=config.norm_eps,
-                        rngs=rngs, **kw)
+                        rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, rngs=rngs, **kw)
         self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
         if moe:
             self.mlp = MoE(config.embed_dim, num_experts=config.num_experts,
                            experts_per_token=config.experts_per_token, moe_mlp_dim=config.moe_mlp_dim,
                            num_shared_experts=config.num_shared_experts, n_group=config.n_group,
                            topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
-                           routed_scaling_factor=config.routed_scaling_factor, rngs=rngs, **kw)
+                           routed_scaling_factor=config.routed_scaling_factor,
+                           router_score=config.router_score, rngs=rngs, **kw)
         else:
             self.mlp = SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
         self.moe = moe
@@ -49,7 +49,7 @@ class Block(nnx.Module):
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         y = self.mlp(self.mlp_norm(x))
         y, counts = y if self.moe else (y, None)
-        return parallel.shard(x + y, ("batch", "length", "embed")), counts
+        return parallel.residual(x + y), counts
 
 
 class DeepSeek(Decoder):
@@ -70,14 +70,14 @@ class DeepSeek(Decoder):
         """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed],
         aux {"expert_counts": [moe layers, experts] float32} (empty without MoE layers))."""
         positions = default_positions(tokens, positions)
-        x = parallel.shard(self.embed(tokens), ("batch", "length", "embed"))
+        x = parallel.residual(self.embed(tokens))
         aux = {}
         if self.dense_layers is not None:
             x, _ = run_stack(self.dense_layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
         if self.moe_layers is not None:
             x, aux["expert_counts"] = run_stack(self.moe_layers, x, positions, segment_ids,
                                                 remat_policy=self.config.remat_policy)
-        return self.final_norm(x), aux
+        return parallel.shard(self.final_norm(x), ("batch", "length", "embed")), aux
 
     def balance(self, aux) -> dict:
         """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate

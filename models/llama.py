@@ -32,7 +32,7 @@ class Block(nnx.Module):
         """-> (x, None): a block carries nothing beside the residual stream."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         x = x + self.mlp(self.mlp_norm(x))
-        return parallel.shard(x, ("batch", "length", "embed")), None
+        return parallel.residual(x), None
 
 
 class Llama(Decoder):
@@ -49,6 +49,6 @@ class Llama(Decoder):
     def hidden(self, tokens, positions=None, segment_ids=None):
         """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed], aux {})."""
         positions = default_positions(tokens, positions)
-        x = parallel.shard(self.embed(tokens), ("batch", "length", "embed"))
+        x = parallel.residual(self.embed(tokens))
         x, _ = run_stack(self.layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
-        return self.final_norm(x), {}
+        return parallel.shard(self.final_norm(x), ("batch", "length", "embed")), {}

@@ -1,5 +1,6 @@
-"""Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, sharding
-constraints. Models and layers call `parallel.attention` and `parallel.shard` with logical names only.
+"""Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
+tensor parallelism, sharding constraints. Models and layers call `parallel.attention`, `parallel.shard` (logical
+names), `parallel.residual`, `parallel.gather` and `parallel.project_scatter` only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from parallel import plan as plans
 from parallel.mesh import logical_spec
 from parallel.reorder import STRATEGIES as LAYOUTS
 from parallel.strategies import STRATEGIES
+from parallel.tensor import Tokens, gather, project_scatter, residual
 
 
 def attention(q, k, v, *, segment_ids=None, causal=True, scale=None, mesh=None, strategy=None, axis=None,

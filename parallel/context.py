@@ -1,7 +1,7 @@
 """Context parallelism from a run config: the size checks, the attention plan, the host-side sequence reorder.
 
 Knows config-shaped objects only: a `parallel` section (context_strategy, load_balance, balance_layout, stripe,
-block_q, block_kv, fused_attention) and mesh axis sizes (context, ulysses, tensor).
+block_q, block_kv, fused_attention, scatter_residual) and mesh axis sizes (context, ulysses, tensor).
 """
 
 from __future__ import annotations
@@ -47,6 +47,11 @@ def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads
         _require(seq_len % (context * parallel.stripe) == 0,
                  f"data.seq_len={seq_len} must be divisible by mesh.context={context} x "
                  f"parallel.stripe={parallel.stripe} for parallel.balance_layout=striped")
+    if parallel.scatter_residual and tensor > 1:
+        _require(seq_len % (context * ulysses * tensor) == 0,
+                 f"data.seq_len={seq_len} must be divisible by {shards} x mesh.tensor={tensor}: "
+                 f"parallel.scatter_residual=true splits the tokens over mesh.tensor too; choose another "
+                 f"data.seq_len or parallel.scatter_residual=false")
     split = {"ulysses": ("mesh.context", context), "usp": ("mesh.ulysses", ulysses)}.get(strategy)
     if split:
         key, size = split
@@ -58,11 +63,13 @@ def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads
 
 def attention_plan(parallel, sizes: Mapping[str, int]) -> AttentionPlan:
     """The AttentionPlan for the traced steps: strategy, mesh axis ("context"; usp: ("context", "ulysses")),
-    layout for the context size in `sizes`, stripe and kernel block sizes. The mesh comes from `jax.set_mesh`."""
+    layout for the context size in `sizes`, stripe, kernel block sizes and scattered tensor parallelism. The mesh
+    comes from `jax.set_mesh`."""
     strategy = parallel.context_strategy
     return AttentionPlan(strategy=strategy, axis=("context", "ulysses") if strategy == "usp" else "context",
                          layout=layout_for(parallel, sizes.get("context", 1)), stripe=parallel.stripe,
-                         block_q=parallel.block_q, block_kv=parallel.block_kv, fused=parallel.fused_attention)
+                         block_q=parallel.block_q, block_kv=parallel.block_kv, fused=parallel.fused_attention,
+                         scatter=parallel.scatter_residual)
 
 
 def to_layout(batch: Mapping[str, np.ndarray], plan: AttentionPlan, context: int) -> dict[str, np.ndarray]:

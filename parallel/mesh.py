@@ -17,11 +17,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 AXES = ("data", "fsdp", "expert", "context", "ulysses", "tensor")
 
 # logical axis -> mesh axes, in priority order. A mesh axis already used by an earlier dimension of
-# the same array is dropped, so e.g. [batch, length, embed] activations shard embed nowhere.
+# the same array is dropped, so e.g. [batch, length, embed] activations shard embed nowhere while parameters shard
+# their embed dimension over every fsdp and sequence-parallel device (ZeRO-3 style, gathered where used).
 LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
     "length": ("context", "ulysses"),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "context", "ulysses"),  # parameters: sequence-parallel devices hold shards too
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -62,24 +63,33 @@ def make_mesh(config, devices=None) -> Mesh:
     return Mesh(grid, AXES)
 
 
-def logical_spec(names, mesh: Mesh | None = None) -> PartitionSpec:
-    """PartitionSpec for logical axis names; mesh axes of size 1 or absent (when a mesh is given) are left out."""
+def logical_spec(names, mesh: Mesh | None = None, shape: tuple[int, ...] | None = None) -> PartitionSpec:
+    """PartitionSpec for logical axis names; mesh axes of size 1 or absent (when a mesh is given) are left out, and
+    with a `shape` so are axes a dimension does not divide into (e.g. 2 key/value heads over tensor=4 replicate)."""
     used: set[str] = set()
     spec = []
-    for name in names:
+    for dim, name in enumerate(names):
         axes = tuple(a for a in LOGICAL_RULES.get(name, ()) if name is not None and a not in used
                      and (mesh is None or mesh.shape.get(a, 1) > 1))
+        if shape is not None and mesh is not None:
+            kept, parts = [], 1
+            for axis in axes:
+                if shape[dim] % (parts * mesh.shape[axis]) == 0:
+                    kept.append(axis)
+                    parts *= mesh.shape[axis]
+            axes = tuple(kept)
         used.update(axes)
         spec.append(axes[0] if len(axes) == 1 else (axes or None))
     return PartitionSpec(*spec)
 
 
 def state_shardings(state, mesh: Mesh):
-    """NamedSharding for every variable of an nnx state, from its `out_sharding` logical names."""
+    """NamedSharding for every variable of an nnx state, from its `out_sharding` logical names (a mesh axis that
+    does not divide a dimension is left out for it)."""
 
     def one(variable):
         names = variable.get_metadata().get("out_sharding") or (None,) * len(variable.shape)
-        return variable.replace(NamedSharding(mesh, logical_spec(names, mesh)))
+        return variable.replace(NamedSharding(mesh, logical_spec(names, mesh, variable.shape)))
 
     return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

@@ -1,4 +1,5 @@
-"""How attention is parallelised for the code traced inside `use(plan)`: strategy, mesh axis, sequence layout.
+"""How the code traced inside `use(plan)` is parallelised: attention strategy, mesh axis and sequence layout, and
+whether the residual stream is scattered over `tensor` (parallel/tensor.py).
 
 The training step installs the plan from the run config while tracing, so models call `parallel.attention`
 without knowing about meshes; explicit arguments to `parallel.attention` override the plan.
@@ -18,7 +19,8 @@ class AttentionPlan:
     """strategy: a name in parallel.strategies.STRATEGIES; axis: mesh axis the sequence is sharded over (usp:
     (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
     parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
-    block_kv: blockwise kernel block sizes; fused: use cuDNN on GPU where it applies (parallel/fused.py)."""
+    block_kv: blockwise kernel block sizes; fused: use cuDNN on GPU where it applies (parallel/fused.py);
+    scatter: scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`."""
 
     strategy: str = "none"
     axis: str | tuple[str, str] = "context"
@@ -28,6 +30,7 @@ class AttentionPlan:
     block_q: int = 512
     block_kv: int = 512
     fused: bool = True
+    scatter: bool = True
 
 
 _CURRENT = contextvars.ContextVar("attention_plan", default=AttentionPlan())

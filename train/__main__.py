@@ -1,37 +1,102 @@
-"""`python -m train CONFIG [section.key=value ...]`: train (or resume) as configured."""
+"""`python -m train CONFIG [section.key=value ...]`: train (or resume) as configured.
+
+`--plan` trains nothing: it compiles the train step on abstract shapes for simulated CPU devices and prints the
+memory per device (see train/memory.py)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 
-from parallel.mesh import MeshError
+import jax  # importing starts no backend: --plan can still choose the devices
+
+from models.remat import RematError, check_policy
+from parallel.mesh import AXES, MeshError
 from train.config import ConfigError, load_config
 from train.errors import NonFiniteLoss
+from train.memory import format_plan, parse_size, plan_memory
+
+DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
+
+
+def device_memory(text: str) -> int:
+    """--device-memory value -> bytes; argparse reports a bad value with the allowed forms."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def plan_device_count(mesh, devices: int | None) -> int:
+    """--devices, else the product of the mesh sizes (an axis of -1 needs --devices)."""
+    if devices is not None:
+        if devices < 1:
+            raise ConfigError(f"--devices={devices} must be >= 1")
+        return devices
+    fills = [name for name in AXES if getattr(mesh, name) == -1]
+    if fills:
+        raise ConfigError(f"mesh.{fills[0]}=-1 takes the remaining devices: give --devices N (how many to plan for) "
+                          f"or set every mesh size")
+    return math.prod(getattr(mesh, name) for name in AXES)
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Makes JAX start `count` CPU devices. Takes effect only before JAX starts a backend; a process that has
+    started one keeps its devices (the plan then uses the first `count`, if there are that many)."""
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:  # a backend is running already
+        return
+    jax.config.update("jax_platforms", "cpu")
+
+
+def plan(config, devices: int | None, memory: int | None) -> int:
+    """Prints the memory plan; returns DOES_NOT_FIT when it exceeds `memory`, else 0."""
+    count = plan_device_count(config.mesh, devices)
+    simulate_cpu_devices(count)
+    if jax.device_count() < count:
+        raise MeshError(f"the plan needs {count} devices but JAX started with {jax.device_count()} before --devices "
+                        f"could take effect")
+    result = plan_memory(config, jax.devices()[:count])
+    print(format_plan(result, memory), flush=True)
+    return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 data.seq_len=512")
     parser.add_argument("--distributed", action="store_true",
                         help="multi-host: call jax.distributed.initialize() (cluster found from SLURM, Open MPI, "
                              "TPU or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--plan", action="store_true",
+                        help="train nothing: compile the train step on abstract shapes and print the memory per "
+                             f"device (exit status {DOES_NOT_FIT} when it does not fit --device-memory)")
+    parser.add_argument("--devices", type=int, metavar="N",
+                        help="with --plan: simulate N CPU devices (default: the product of the mesh sizes)")
+    parser.add_argument("--device-memory", type=device_memory, metavar="SIZE",
+                        help="with --plan: memory of one device (80GiB, 80GB, 141e9); says whether the step fits")
+    args = parser.parse_intermixed_args(argv)
+    if not args.plan and (args.devices is not None or args.device_memory is not None):
+        parser.error("--devices and --device-memory go with --plan")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        config = load_config(args.config, args.overrides)
-        import jax
-
-        from train.loop import run
-
+        # a plan reads no parameters: it needs no checkpoint.init_from (e.g. an import not made yet)
+        config = load_config(args.config, [*args.overrides, *(["checkpoint.init_from="] if args.plan else [])])
+        if args.plan:
+            return plan(config, args.devices, args.device_memory)
         if args.distributed:
             jax.distributed.initialize()
+        check_policy(config.model.remat_policy, jax.default_backend())
+        from train.loop import run
+
         run(config)
-    except (ConfigError, MeshError, FileNotFoundError) as error:
+    except (ConfigError, MeshError, RematError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except NonFiniteLoss as error:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from layers.moe import ROUTER_SCORES
+from models.remat import NAMES as REMAT_POLICIES
 from parallel.context import check_context
 from parallel.mesh import MeshError
 
@@ -55,7 +57,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     dtype: str = "auto"  # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU
-    remat_policy: str = "full"
+    remat_policy: str = "full"  # a name in models/remat.py: what each scanned block keeps for the backward pass
     loss_chunk_size: int = 1024
     # Multi-head latent attention (deepseek; Hugging Face names in comments)
     q_lora_rank: int = 0  # q_lora_rank; 0 = full-rank query projection
@@ -74,6 +76,7 @@ class ModelConfig:
     norm_topk_prob: bool = True  # norm_topk_prob
     routed_scaling_factor: float = 1.0  # routed_scaling_factor
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
+    router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (V2, no bias)
 
 
 # ModelConfig fields a run chooses, free to change between restarts; the rest is the architecture
@@ -158,7 +161,8 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How attention runs when the sequence is split over mesh.context (and mesh.ulysses)."""
+    """How attention runs when the sequence is split over mesh.context (and mesh.ulysses), and whether tensor
+    parallelism scatters the residual stream."""
 
     context_strategy: str = "none"  # none | all_gather | ring | ulysses | usp
     load_balance: bool = True  # reorder the sequence when mesh.context > 1 so causal work is even
@@ -167,6 +171,7 @@ class ParallelConfig:
     block_q: int = 512  # blockwise attention kernel block sizes
     block_kv: int = 512
     fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
+    scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
 
 @dataclass(frozen=True)
 class Config:
@@ -184,7 +189,8 @@ CHOICES = {
     "model.rope_scaling.type": ("none", "llama3", "yarn"),
     "model.param_dtype": ("float32", "bfloat16"),
     "model.dtype": ("auto", "float32", "bfloat16", "float16"),
-    "model.remat_policy": ("none", "full", "save_dots", "save_projections"),
+    "model.remat_policy": REMAT_POLICIES,
+    "model.router_score": ROUTER_SCORES,
     "data.format": ("auto", "text", "jsonl", "parquet"),
     "data.packing": ("concat", "first_fit"),
     "parallel.context_strategy": ("none", "all_gather", "ring", "ulysses", "usp"),
@@ -201,6 +207,9 @@ def _validate_deepseek(m: ModelConfig, mesh: MeshConfig) -> None:
     _require(0 <= m.first_dense_layers <= m.num_layers,
              f"model.first_dense_layers={m.first_dense_layers} must be in [0, model.num_layers={m.num_layers}]")
     _require(m.router_bias_rate >= 0, f"model.router_bias_rate={m.router_bias_rate} must be >= 0")
+    _require(m.router_score == "sigmoid" or m.router_bias_rate == 0,
+             f"model.router_score={m.router_score!r} selects experts without the router bias; set "
+             f"model.router_bias_rate=0 (it is {m.router_bias_rate})")
     if m.num_experts == 0:
         return
     for key in ("experts_per_token", "moe_mlp_dim"):
@@ -212,6 +221,8 @@ def _validate_deepseek(m: ModelConfig, mesh: MeshConfig) -> None:
     _require(1 <= m.topk_group <= m.n_group, f"model.topk_group={m.topk_group} must be in [1, model.n_group={m.n_group}]")
     _require(mesh.expert == -1 or m.num_experts % mesh.expert == 0,
              f"model.num_experts={m.num_experts} must be divisible by mesh.expert={mesh.expert}")
+    _require(mesh.tensor == -1 or m.moe_mlp_dim % mesh.tensor == 0,
+             f"model.moe_mlp_dim={m.moe_mlp_dim} must be divisible by mesh.tensor={mesh.tensor}")
 
 
 # ---------------------------------------------------------------- loading
@@ -374,15 +385,15 @@ def validate(config: Config) -> None:
     _require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join('mesh.' + f for f in fills)}")
     for key in ("parallel.stripe", "parallel.block_q", "parallel.block_kv"):
         _require(get(config, key) >= 1, f"{key}={get(config, key)!r} must be >= 1")
+    if config.mesh.tensor > 1:
+        for key in ("model.num_heads", "model.mlp_dim"):
+            _require(get(config, key) % config.mesh.tensor == 0,
+                     f"{key}={get(config, key)} must be divisible by mesh.tensor={config.mesh.tensor}")
     if not {"context", "ulysses", "tensor"} & set(fills):  # else known once the mesh is built, checked there
         try:
             check_context(config.parallel, sizes, seq_len=d.seq_len, num_heads=m.num_heads)
         except MeshError as error:
             raise ConfigError(str(error)) from None
-    if config.mesh.tensor > 1:
-        for key in ("model.num_heads", "model.mlp_dim"):
-            _require(get(config, key) % config.mesh.tensor == 0,
-                     f"{key}={get(config, key)} must be divisible by mesh.tensor={config.mesh.tensor}")
     if m.family == "deepseek":
         _validate_deepseek(m, config.mesh)
     _require(bool(t.output_dir), "train.output_dir must not be empty")

@@ -48,7 +48,7 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grads, loss_sum, count), aux = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), micro)
     denominator = jnp.maximum(count, 1.0)
-    return (jax.tree.map(lambda g: g / denominator, grads), loss_sum / denominator, count,
+    return (jax.tree.map(lambda g: (g / denominator).astype(g.dtype), grads), loss_sum / denominator, count,
             jax.tree.map(lambda a: a.sum(0), aux))
 
 

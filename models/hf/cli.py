@@ -2,7 +2,8 @@
 
 import writes OUT/model (an orbax `model` item: `checkpoint.init_from=OUT` seeds a run's parameters from it),
 OUT/model.yaml (the architecture under a top-level `model:` key, for a run config's `base:`) and
-OUT/hf_config.json (the source config.json, whose token ids and max_position_embeddings export carries over).
+OUT/hf_config.json (the source config.json, whose token ids and max_position_embeddings export carries over) and
+OUT/tokenizer.json when the source has one (for `data.tokenizer`).
 
 export reads CHECKPOINT: an import's OUT, a run's checkpoints/<step>, or a run's checkpoints/ (its newest step).
 The architecture comes from --config if given, else CHECKPOINT/model.yaml (an import), else the resolved config
@@ -15,6 +16,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import shutil
 import sys
 
 import orbax.checkpoint as ocp
@@ -27,12 +29,14 @@ from train.config import RUNTIME_FIELDS, ConfigError, ModelConfig, from_dict, lo
 
 MODEL_YAML = "model.yaml"
 HF_CONFIG = "hf_config.json"
+TOKENIZER = "tokenizer.json"
 # config.json keys the model does not determine, carried from the imported config.json on export
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
 def import_checkpoint(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
-    """Hugging Face directory -> OUT/model (orbax), OUT/model.yaml, OUT/hf_config.json; returns the config."""
+    """Hugging Face directory -> OUT/model (orbax), OUT/model.yaml, OUT/hf_config.json (and OUT/tokenizer.json);
+    returns the config."""
     model = load_pretrained(hf_dir, dtype)
     out = pathlib.Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -43,6 +47,8 @@ def import_checkpoint(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype
                                   f"`base:` with checkpoint.init_from={out}\n"
                                   + yaml.safe_dump({"model": architecture}, sort_keys=False))
     (out / HF_CONFIG).write_text((pathlib.Path(hf_dir) / CONFIG).read_text())
+    if (pathlib.Path(hf_dir) / TOKENIZER).is_file():
+        shutil.copyfile(pathlib.Path(hf_dir) / TOKENIZER, out / TOKENIZER)
     return model.config
 
 
@@ -90,7 +96,7 @@ def main(argv=None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     load = commands.add_parser("import", help="Hugging Face directory -> checkpoint for checkpoint.init_from")
     load.add_argument("hf_dir", help="directory with config.json and model.safetensors (or index + shards)")
-    load.add_argument("out", help="output directory: model (orbax), model.yaml, hf_config.json")
+    load.add_argument("out", help="output directory: model (orbax), model.yaml, hf_config.json, tokenizer.json")
     load.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
     save = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
     save.add_argument("checkpoint", help="an import's output, a run's checkpoints/<step>, or checkpoints/ (newest)")

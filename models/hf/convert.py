@@ -23,7 +23,7 @@ from safetensors.numpy import save_file
 
 import models
 from models.dtypes import NAMES
-from models.hf.families import by_architecture, by_family
+from models.hf.families import by_architecture, for_export
 from models.hf.reader import SafetensorsFile
 
 log = logging.getLogger(__name__)
@@ -71,12 +71,14 @@ def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start:start + size].view(dtype).reshape(shape)
 
 
-def _plan(family, config, files: dict[str, str], shapes: dict, path: pathlib.Path) -> dict[str, list]:
+def _plan(family, config, hf_config: dict, files: dict[str, str], shapes: dict,
+          path: pathlib.Path) -> dict[str, list]:
     """File name -> [(tensor name, Tensor, index into our parameter)] for every tensor the model needs; checks that
-    each is in `files` and that every parameter in `shapes` is filled by some tensor."""
+    each is in `files` and that every parameter in `shapes` is filled by some tensor or is one of the family's
+    zeros."""
     plan: dict[str, list] = {}
     missing = []
-    for tensor in family.tensors(config):
+    for tensor in family.tensors_to_read(config, hf_config):
         for fields, index in tensor.slices(config):
             name = tensor.hf.format(**fields)
             if name not in files:
@@ -85,7 +87,8 @@ def _plan(family, config, files: dict[str, str], shapes: dict, path: pathlib.Pat
     if missing:
         raise ValueError(f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. "
                          f"{', '.join(missing[:3])}")
-    unfilled = set(shapes) - {tensor.ours for entries in plan.values() for _, tensor, _ in entries}
+    filled = {tensor.ours for entries in plan.values() for _, tensor, _ in entries}
+    unfilled = set(shapes) - filled - set(family.zeros(config))
     if unfilled:
         raise ValueError(f"{family.architecture}: no tensor fills parameter(s) "
                          f"{', '.join('.'.join(ours) for ours in sorted(unfilled))}")
@@ -132,11 +135,13 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32) -> nnx.Module:
     graphdef, state = abstract_model(config)
     shapes = flatten_dict(nnx.to_pure_dict(state))
     files = weight_map(path)
-    plan = _plan(family, config, files, shapes, path)
+    plan = _plan(family, config, hf_config, files, shapes, path)
     unused = sorted(set(files) - {name for entries in plan.values() for name, _, _ in entries})
     if unused:
         log.warning("%s: %d tensors not used by the model, e.g. %s", path, len(unused), ", ".join(unused[:3]))
-    nnx.replace_by_pure_dict(state, unflatten_dict(_read(path, plan, shapes, config)))
+    params = _read(path, plan, shapes, config)
+    params.update({ours: jnp.zeros(shapes[ours].shape, shapes[ours].dtype) for ours in family.zeros(config)})
+    nnx.replace_by_pure_dict(state, unflatten_dict(params))
     return nnx.merge(graphdef, state)
 
 
@@ -190,7 +195,7 @@ def save_pretrained(model: nnx.Module, path: str | pathlib.Path, *, max_shard_by
     """
     path = pathlib.Path(path)
     config = model.config
-    family = by_family(config.family)
+    family = for_export(config)
     hf_config = {**family.config_to_hf(config), "torch_dtype": config.param_dtype, **(extra_config or {})}
     params = flatten_dict(nnx.to_pure_dict(nnx.state(model)))
     path.mkdir(parents=True, exist_ok=True)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from models.hf import llama
+from models.hf import deepseek, llama
 from models.hf.spec import Family
+from train.config import ModelConfig
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY,)
+FAMILIES: tuple[Family, ...] = (llama.FAMILY, deepseek.FAMILY, deepseek.V2_FAMILY)
 
 
 def by_architecture(hf_config: dict) -> Family:
@@ -18,10 +19,11 @@ def by_architecture(hf_config: dict) -> Family:
                      f"{', '.join(f.architecture for f in FAMILIES)}")
 
 
-def by_family(name: str) -> Family:
-    """The converter of `ModelConfig.family` `name`; ValueError naming it and the supported ones."""
+def for_export(config: ModelConfig) -> Family:
+    """The converter that exports `config`: the first of its `family` whose `exports(config)` holds; ValueError
+    naming the family and the supported ones."""
     for family in FAMILIES:
-        if family.family == name:
+        if family.family == config.family and family.exports(config):
             return family
-    raise ValueError(f"model.family={name!r} cannot be converted to Hugging Face; supported families: "
-                     f"{', '.join(f.family for f in FAMILIES)}")
+    raise ValueError(f"model.family={config.family!r} cannot be converted to Hugging Face; supported families: "
+                     f"{', '.join(dict.fromkeys(f.family for f in FAMILIES))}")

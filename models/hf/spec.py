@@ -29,6 +29,18 @@ def per_layer(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
         yield {"layer": layer}, (layer,)
 
 
+def nothing(config: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    """No parameter paths."""
+    del config
+    return ()
+
+
+def every(config: ModelConfig) -> bool:
+    """True for every configuration."""
+    del config
+    return True
+
+
 def same(array: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Identity transform (embedding tables, norm scales)."""
     del config
@@ -46,7 +58,8 @@ class Tensor:
     """Hugging Face tensors named `hf` <-> our parameter at path `ours` of the model's pure state dict.
 
     `slices(config)` yields (fields, index): `hf.format(**fields)` names one Hugging Face tensor and `index` is
-    the leading indices of our parameter it fills (() for all of it, (layer,) in a stacked one).
+    the leading indices of our parameter it fills (() for all of it, (layer,) in a stacked one, (layer, expert) in
+    stacked expert kernels).
     `to_ours(tensor, config)` gives that slice and `to_hf(slice, config)` the tensor back; both only move elements.
     """
 
@@ -63,7 +76,12 @@ class Family:
 
     `config_from_hf(config.json dict) -> ModelConfig` (raises ValueError for features it cannot represent),
     `config_to_hf(ModelConfig) -> config.json dict`, `tensors(ModelConfig) -> [Tensor]` (every tensor of a
-    checkpoint of that configuration, in the order they are written).
+    checkpoint of that configuration, in the order they are written). A family whose checkpoints may choose a
+    layout in config.json that ModelConfig does not record (e.g. a rotary column order) also gives
+    `read_tensors(ModelConfig, config.json dict) -> [Tensor]` for reading them.
+    `exports(ModelConfig) -> bool` tells whether this architecture is the one a configuration of `family` is
+    exported as (where several share a family), and `zeros(ModelConfig)` the paths of parameters that its
+    checkpoints do not hold, set to zeros on reading and not written.
     """
 
     architecture: str
@@ -71,3 +89,10 @@ class Family:
     config_from_hf: Callable[[dict], ModelConfig]
     config_to_hf: Callable[[ModelConfig], dict]
     tensors: Callable[[ModelConfig], list[Tensor]]
+    read_tensors: Callable[[ModelConfig, dict], list[Tensor]] | None = None
+    exports: Callable[[ModelConfig], bool] = every
+    zeros: Callable[[ModelConfig], tuple[tuple[str, ...], ...]] = nothing
+
+    def tensors_to_read(self, config: ModelConfig, hf_config: dict) -> list[Tensor]:
+        """The tensors of a checkpoint with config.json `hf_config`: read_tensors if given, else tensors."""
+        return self.read_tensors(config, hf_config) if self.read_tensors else self.tensors(config)

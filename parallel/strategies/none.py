@@ -1,11 +1,12 @@
-"""`none`: the local kernel on the whole sequence (no context parallelism); cuDNN where `parallel.fused` allows."""
+"""`none`: the kernel on the whole sequence (no context parallelism), on each device's batch rows and heads
+(shard_map, so the partitioner never gathers them); cuDNN where `parallel.fused` allows."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 from parallel import fused
-from parallel.strategies.common import axis_size, global_index, kernel
+from parallel.strategies.common import axis_size, global_index, kernel, run_sharded
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
@@ -14,5 +15,10 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     if fused.usable(q, k, v, segment_ids=segment_ids, contiguous=cp == 1, enabled=plan.fused):
         return fused.attention(q, k, v, causal=causal, scale=scale)
     index = jnp.asarray(global_index(q.shape[1], plan, cp))
-    out, _ = kernel(q, k, v, segment_ids, segment_ids, index, index, causal=causal, scale=scale, plan=plan)
-    return out
+
+    def local(q, k, v, segment_ids):
+        return kernel(q, k, v, segment_ids, segment_ids, index, index, causal=causal, scale=scale, plan=plan)[0]
+
+    if mesh is None or mesh.empty:
+        return local(q, k, v, segment_ids)
+    return run_sharded(local, mesh, (), q, k, v, segment_ids)  # whole sequence per device, batch / heads sharded

@@ -1,4 +1,5 @@
-"""MoE against a dense NumPy reference, routing rules, load balancing helpers, gradients, transformers."""
+"""MoE against a dense NumPy reference (sigmoid and softmax router scores), routing rules, load balancing helpers,
+gradients, transformers' DeepSeek-V3 and V2 MoE."""
 
 import jax
 import jax.numpy as jnp
@@ -22,14 +23,21 @@ def swiglu(x, gate, up, down):
     return (pre / (1 + np.exp(-pre)) * (x @ up)) @ down
 
 
-def reference_route(x, gate, bias, k, n_group, topk_group, norm_topk_prob, scale):
-    """NumPy float64 routing: x [tokens, embed] -> (experts [tokens, k], weights [tokens, k])."""
-    scores = 1 / (1 + np.exp(-(x @ gate)))
-    grouped = (scores + bias).reshape(len(x), n_group, -1)
-    group_scores = np.sort(grouped, -1)[..., -2:].sum(-1) if n_group > 1 else np.zeros((len(x), 1))
+def reference_route(x, gate, bias, k, n_group, topk_group, norm_topk_prob, scale, score="sigmoid"):
+    """NumPy float64 routing: x [tokens, embed] -> (experts [tokens, k], weights [tokens, k]).
+    softmax as DeepSeek-V2: no bias, groups scored by their best expert, other groups' scores set to 0."""
+    if score == "softmax":
+        exp = np.exp(x @ gate - (x @ gate).max(-1, keepdims=True))
+        scores = exp / exp.sum(-1, keepdims=True)
+        grouped = scores.reshape(len(x), n_group, -1)
+        group_scores = grouped.max(-1)
+    else:
+        scores = 1 / (1 + np.exp(-(x @ gate)))
+        grouped = (scores + bias).reshape(len(x), n_group, -1)
+        group_scores = np.sort(grouped, -1)[..., -2:].sum(-1) if n_group > 1 else np.zeros((len(x), 1))
     kept = np.zeros(group_scores.shape, bool)
     np.put_along_axis(kept, np.argsort(-group_scores, -1)[:, :topk_group], True, -1)
-    choice = np.where(kept[..., None], grouped, -np.inf).reshape(len(x), -1)
+    choice = np.where(kept[..., None], grouped, 0.0 if score == "softmax" else -np.inf).reshape(len(x), -1)
     experts = np.argsort(-choice, -1, kind="stable")[:, :k]
     weights = np.take_along_axis(scores, experts, -1)
     if norm_topk_prob:
@@ -57,19 +65,21 @@ def rel_err(a, b):
     return np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b))
 
 
-@pytest.mark.parametrize("num_shared,n_group,topk_group,norm", [(0, 1, 1, True), (2, 1, 1, False),
-                                                                (0, 4, 2, True), (1, 4, 2, True)])
-def test_equals_dense_reference(num_shared, n_group, topk_group, norm):
-    moe = make(num_shared, n_group, topk_group, k=3, norm_topk_prob=norm, routed_scaling_factor=2.5)
+@pytest.mark.parametrize("num_shared,n_group,topk_group,k,norm,score", [
+    (0, 1, 1, 3, True, "sigmoid"), (2, 1, 1, 3, False, "sigmoid"), (0, 4, 2, 3, True, "sigmoid"),
+    (1, 4, 2, 3, True, "sigmoid"), (0, 8, 2, 2, True, "softmax")])  # softmax: groups of one expert
+def test_equals_dense_reference(num_shared, n_group, topk_group, k, norm, score):
+    moe = make(num_shared, n_group, topk_group, k=k, norm_topk_prob=norm, routed_scaling_factor=2.5,
+               router_score=score)
     moe.bias[...] = 0.1 * jax.random.normal(jax.random.key(2), (EXPERTS,))
     x = jax.random.normal(jax.random.key(1), (2, 16, EMBED))
     y, counts = nnx.jit(lambda m, x: m(x))(moe, x)
-    expected, expected_counts = reference_moe(moe, x, k=3, n_group=n_group, topk_group=topk_group,
-                                              norm_topk_prob=norm, scale=2.5)
+    expected, expected_counts = reference_moe(moe, x, k=k, n_group=n_group, topk_group=topk_group,
+                                              norm_topk_prob=norm, scale=2.5, score=score)
     assert y.shape == x.shape and y.dtype == jnp.float32 and counts.dtype == jnp.float32
     assert rel_err(y, expected) <= 1e-5
     np.testing.assert_array_equal(np.asarray(counts), expected_counts)
-    assert float(counts.sum()) == 2 * 16 * 3
+    assert float(counts.sum()) == 2 * 16 * k
 
 
 def test_annotations_shapes_and_dtype():
@@ -124,6 +134,20 @@ def test_bias_selects_but_weights_come_from_unbiased_scores():
     weights, experts = routed(logits, bias=bias, norm_topk_prob=False)
     assert experts.tolist() == [[0, 6]]
     np.testing.assert_allclose(np.sort(weights[0]), np.sort(scores[[0, 6]]), rtol=1e-6)
+
+
+def test_softmax_routing_ignores_the_bias_and_keeps_probabilities():
+    logits = np.array([[2.0, 1.0, 0.5, -1.0, -2.0, -3.0, -4.0, -5.0]])
+    probabilities = np.exp(logits[0]) / np.exp(logits[0]).sum()
+    bias = np.zeros(EXPERTS)
+    bias[6] = 10.0
+    weights, experts = routed(logits, bias=bias, norm_topk_prob=False, routed_scaling_factor=1.5,
+                              router_score="softmax")
+    assert experts.tolist() == [[0, 1]]
+    np.testing.assert_allclose(np.sort(weights[0]), 1.5 * np.sort(probabilities[[0, 1]]), rtol=1e-6)
+    # group-limited: groups of 2 scored by their best expert; the best group (0, 1) and then (2, 3) are kept
+    _, experts = routed(logits, n_group=4, topk_group=2, k=3, norm_topk_prob=False, router_score="softmax")
+    assert experts.tolist() == [[0, 1, 2]]
 
 
 def test_norm_topk_prob_and_routed_scaling_factor():
@@ -185,28 +209,36 @@ def test_gradients_reach_params_but_not_the_router_bias():
     (dict(n_group=4, topk_group=1, k=3), "experts_per_token=3 must be in \\[1, 2\\]"),
     (dict(n_group=8, topk_group=1), "at least 2 experts per group"),
     (dict(num_shared=-1), "num_shared_experts=-1"),
+    (dict(router_score="tanh"), "router_score='tanh' must be one of sigmoid, softmax"),
 ])
 def test_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(**kwargs)
 
 
-def test_equals_transformers():
+@pytest.mark.parametrize("version", ["v3", "v2"])
+def test_equals_transformers(version):
+    """V3: sigmoid, biased, group-limited; V2: softmax, group_limited_greedy, weights not renormalised."""
     torch = pytest.importorskip("torch")
-    modeling = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
-    config = modeling.DeepseekV3Config(
-        hidden_size=EMBED, moe_intermediate_size=MLP, n_routed_experts=EXPERTS, num_experts_per_tok=3,
-        n_shared_experts=2, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
-    hf = modeling.DeepseekV3MoE(config)
-    moe = make(num_shared=2, n_group=4, topk_group=2, k=3, routed_scaling_factor=2.5)
-    moe.bias[...] = jnp.linspace(-1.5, -0.5, EXPERTS)  # negative biased scores: the group mask value matters
+    modeling = pytest.importorskip(f"transformers.models.deepseek_{version}.modeling_deepseek_{version}")
+    common = dict(hidden_size=EMBED, num_attention_heads=2, moe_intermediate_size=MLP, n_routed_experts=EXPERTS,
+                  num_experts_per_tok=3, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    if version == "v3":
+        hf = modeling.DeepseekV3MoE(modeling.DeepseekV3Config(norm_topk_prob=True, **common))
+        moe = make(num_shared=2, n_group=4, topk_group=2, k=3, routed_scaling_factor=2.5)
+        moe.bias[...] = jnp.linspace(-1.5, -0.5, EXPERTS)  # negative biased scores: the group mask value matters
+    else:
+        hf = modeling.DeepseekV2Moe(modeling.DeepseekV2Config(topk_method="group_limited_greedy", **common))
+        moe = make(num_shared=2, n_group=4, topk_group=2, k=3, routed_scaling_factor=2.5, norm_topk_prob=False,
+                   router_score="softmax")
 
     def t(v):
         return torch.from_numpy(np.array(v[...]).T.copy())
 
     with torch.no_grad():
         hf.gate.weight.copy_(t(moe.gate))
-        hf.gate.e_score_correction_bias.copy_(torch.from_numpy(np.array(moe.bias[...])))
+        if version == "v3":
+            hf.gate.e_score_correction_bias.copy_(torch.from_numpy(np.array(moe.bias[...])))
         hf.experts.gate_up_proj.copy_(torch.cat([torch.from_numpy(np.array(moe.experts_gate[...])),
                                                  torch.from_numpy(np.array(moe.experts_up[...]))], -1).transpose(1, 2))
         hf.experts.down_proj.copy_(torch.from_numpy(np.array(moe.experts_down[...])).transpose(1, 2))

@@ -65,9 +65,9 @@ def one_step(mesh_config, devices):
     state = create_state(model, make_optimizer(OptimizerConfig(warmup_steps=0), 10), mesh, seed=0)
     step = make_train_step(state, mesh, chunk_size=8, accum_steps=2)
     rng = np.random.default_rng(0)
-    batch = {key: rng.integers(0, 64, (8, 16)).astype(np.int32) for key in ("tokens", "targets")}
-    batch.update(segment_ids=np.ones((8, 16), np.int32), positions=np.tile(np.arange(16, dtype=np.int32), (8, 1)),
-                 loss_mask=np.ones((8, 16), np.float32))
+    batch = {key: rng.integers(0, 64, (16, 16)).astype(np.int32) for key in ("tokens", "targets")}
+    batch.update(segment_ids=np.ones((16, 16), np.int32), positions=np.tile(np.arange(16, dtype=np.int32), (16, 1)),
+                 loss_mask=np.ones((16, 16), np.float32))  # micro-batches of 8 rows: one per data x fsdp shard
     batch = jax.device_put(batch, batch_sharding(mesh))
     with jax.set_mesh(mesh):
         new_state, metrics = step(state.state, batch)

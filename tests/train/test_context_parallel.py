@@ -6,19 +6,16 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from parallel.context import attention_plan, check_context, to_layout
-from parallel.mesh import MeshError, batch_sharding, make_mesh
+from parallel.mesh import MeshError
 from parallel.plan import AttentionPlan
 from parallel.reorder import from_balanced
 from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
 from train.loop import run
-from train.state import TrainState, abstract_state, create_state
-from train.step import make_train_step
+from tests.train.step_reference import assert_same_step, first_step, initial_state, packed_batch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RUN = [
@@ -30,7 +27,6 @@ RUN = [
 ]
 MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64,
                     dtype="float32", remat_policy="none")
-ROWS, LENGTH = 2, 64
 
 
 def logged(output: pathlib.Path) -> list[dict]:
@@ -50,55 +46,14 @@ def test_ring_run_over_8_devices_logs_the_losses_of_one_context_device(tmp_path,
     assert "--- sample ---" in capfd.readouterr().out  # sampling after a context-parallel run (no plan)
 
 
-def keep_grads() -> optax.GradientTransformation:
-    """Leaves the parameters alone and keeps the last gradients as its state (to read them off a train step)."""
-    return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
-                                        lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
-
-
-def packed_batch(seed: int = 0) -> dict[str, np.ndarray]:
-    """[ROWS, LENGTH] rows of several documents each and trailing padding (segment 0), in original order."""
-    rng = np.random.default_rng(seed)
-    segment_ids, positions = np.zeros((ROWS, LENGTH), np.int32), np.zeros((ROWS, LENGTH), np.int32)
-    for row in range(ROWS):
-        start, end, doc = 0, LENGTH - int(rng.integers(3, 12)), 1
-        while start < end:
-            n = min(int(rng.integers(5, 30)), end - start)
-            segment_ids[row, start:start + n], positions[row, start:start + n] = doc, np.arange(n)
-            start, doc = start + n, doc + 1
-    real = segment_ids > 0
-    tokens = np.where(real, rng.integers(1, MODEL.vocab_size, (ROWS, LENGTH)), 0).astype(np.int32)
-    same_doc = real & (np.roll(segment_ids, -1, axis=1) == segment_ids)
-    targets = np.where(same_doc, np.roll(tokens, -1, axis=1), 0).astype(np.int32)
-    return dict(tokens=tokens, targets=targets, segment_ids=segment_ids, positions=positions,
-                loss_mask=same_doc.astype(np.float32))
+@pytest.fixture(scope="module")
+def host_state():
+    return initial_state(MODEL)
 
 
 @pytest.fixture(scope="module")
-def initial_state():
-    """Host copy of a fresh (model, optimizer) state, shared by every mesh (initialised once)."""
-    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    return jax.device_get(create_state(MODEL, keep_grads(), mesh, seed=0).state)
-
-
-def first_step(initial_state, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices):
-    """(loss, {parameter path: gradient}) of one train step on `packed_batch()` as the loop would run it."""
-    mesh = make_mesh(mesh_config, devices)
-    check_context(parallel_config, mesh.shape, seq_len=LENGTH, num_heads=MODEL.num_heads)
-    plan = attention_plan(parallel_config, mesh.shape)
-    graphdef, _, shardings = abstract_state(MODEL, keep_grads(), mesh)
-    state = TrainState(graphdef, jax.device_put(initial_state, shardings), shardings)
-    step = make_train_step(state, mesh, chunk_size=32, accum_steps=1, plan=plan)
-    batch = jax.device_put(to_layout(packed_batch(), plan, mesh.shape["context"]), batch_sharding(mesh))
-    with jax.set_mesh(mesh):
-        new_state, metrics = step(state.state, batch)
-    grads = jax.tree_util.tree_leaves_with_path(jax.device_get(new_state[1]["opt_state"]))
-    return float(metrics["loss"]), {jax.tree_util.keystr(path): np.asarray(g) for path, g in grads}
-
-
-@pytest.fixture(scope="module")
-def reference(initial_state):
-    return first_step(initial_state, MeshConfig(fsdp=1), ParallelConfig(block_q=8, block_kv=8), jax.devices()[:1])
+def reference(host_state):
+    return first_step(host_state, MODEL, MeshConfig(fsdp=1), ParallelConfig(block_q=8, block_kv=8), jax.devices()[:1])
 
 
 @pytest.mark.parametrize("mesh_config, parallel_config", [
@@ -107,14 +62,8 @@ def reference(initial_state):
     (MeshConfig(fsdp=1, context=8), ParallelConfig(context_strategy="ulysses", block_q=8, block_kv=8)),
     (MeshConfig(fsdp=1, context=4, ulysses=2), ParallelConfig(context_strategy="usp", block_q=8, block_kv=8)),
 ], ids=["all_gather8-striped", "ulysses8", "usp4x2"])
-def test_strategy_step_equals_one_context_device(mesh_config, parallel_config, initial_state, reference):
-    loss, grads = first_step(initial_state, mesh_config, parallel_config, jax.devices())
-    ref_loss, ref_grads = reference
-    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
-    assert grads.keys() == ref_grads.keys()
-    for name, ref in ref_grads.items():
-        error = np.linalg.norm(grads[name] - ref) / max(np.linalg.norm(ref), 1e-30)
-        assert error <= 1e-5, (name, error)
+def test_strategy_step_equals_one_context_device(mesh_config, parallel_config, host_state, reference):
+    assert_same_step(first_step(host_state, MODEL, mesh_config, parallel_config, jax.devices()), reference)
 
 
 @pytest.mark.parametrize("parallel_config, sizes, expected", [
@@ -134,7 +83,7 @@ def test_plan_from_config(parallel_config, sizes, expected):
 
 
 def test_host_reorder_is_undone_by_from_balanced():
-    batch = packed_batch()
+    batch = packed_batch(MODEL.vocab_size)
     plan = AttentionPlan(strategy="ring", layout="dual_chunk")
     balanced = to_layout(batch, plan, 4)
     assert not np.array_equal(balanced["positions"], batch["positions"])

@@ -1,0 +1,60 @@
+"""Remat policies keep what they say: full only the block's inputs, save_projections the named projections."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
+
+from models import deepseek, llama
+from models.remat import PROJECTIONS, remat
+from train.config import ModelConfig
+
+LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
+                    dtype="float32")
+DEEPSEEK = ModelConfig(family="deepseek", vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=4,
+                       head_dim=12, mlp_dim=64, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
+                       qk_rope_head_dim=4, v_head_dim=8, dtype="float32")
+BLOCKS = {"llama": lambda: llama.Block(LLAMA, rngs=nnx.Rngs(0)),
+          "deepseek": lambda: deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0))}
+ATTENTION = {"llama": {"q_proj", "k_proj", "v_proj", "o_proj"},
+             "deepseek": {"q_a_proj", "q_proj", "kv_a_proj", "k_proj", "v_proj", "o_proj"}}
+
+
+def saved(make_block, policy: str, capsys) -> list[str]:
+    """What the backward pass of `make_block()` under `policy` keeps for x [1, 16, 32], one entry per residual:
+    its checkpoint name, 'argument' (an input or a constant), or the printed line of anything else."""
+    graphdef, params = nnx.split(nnx.eval_shape(make_block))  # traced only: nothing is initialised or run
+    x = jax.ShapeDtypeStruct((1, 16, 32), jnp.float32)
+    positions, segments = jnp.arange(16)[None], jnp.ones((1, 16), jnp.int32)
+
+    def loss(params, x):
+        return remat(lambda h, p: nnx.merge(graphdef, p)(h, positions, segments)[0], policy)(x, params).sum()
+
+    capsys.readouterr()
+    print_saved_residuals(loss, params, x)
+    kept = []
+    for line in capsys.readouterr().out.splitlines():
+        named = re.search(r"named '(\w+)'", line)
+        kept.append(named.group(1) if named else "argument" if "from the argument" in line or "from a constant" in line
+                    else line)
+    return kept
+
+
+@pytest.mark.parametrize("family", BLOCKS)
+def test_full_keeps_only_the_inputs(family, capsys):
+    assert set(saved(BLOCKS[family], "full", capsys)) == {"argument"}
+
+
+@pytest.mark.parametrize("family", BLOCKS)
+def test_save_projections_keeps_the_named_projections(family, capsys):
+    kept = set(saved(BLOCKS[family], "save_projections", capsys)) - {"argument"}
+    assert kept <= set(PROJECTIONS), kept
+    assert ATTENTION[family] <= kept and {"mlp_gate", "mlp_up"} <= kept, kept
+
+
+def test_none_keeps_more_than_save_projections(capsys):
+    counts = {policy: len(saved(BLOCKS["llama"], policy, capsys)) for policy in ("save_projections", "none")}
+    assert counts["save_projections"] < counts["none"], counts

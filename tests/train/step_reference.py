@@ -1,0 +1,73 @@
+"""One train step's loss and gradients on packed rows, on any mesh, for comparing parallel layouts with one device.
+
+`initial_state(model)` builds the host state once; `first_step(...)` runs the step as the training loop would
+(plan from the parallel config, batch reordered on the host and sharded) with an optimizer that keeps the gradients.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from parallel.context import attention_plan, check_context, to_layout
+from parallel.mesh import batch_sharding, make_mesh
+from train.config import MeshConfig, ModelConfig, ParallelConfig
+from train.state import TrainState, abstract_state, create_state
+from train.step import make_train_step
+
+ROWS, LENGTH = 2, 64
+
+
+def keep_grads() -> optax.GradientTransformation:
+    """Leaves the parameters alone and keeps the last gradients as its state (to read them off a train step)."""
+    return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
+                                        lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+
+
+def packed_batch(vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """[ROWS, LENGTH] rows of several documents each and trailing padding (segment 0), in original order."""
+    rng = np.random.default_rng(seed)
+    segment_ids, positions = np.zeros((ROWS, LENGTH), np.int32), np.zeros((ROWS, LENGTH), np.int32)
+    for row in range(ROWS):
+        start, end, doc = 0, LENGTH - int(rng.integers(3, 12)), 1
+        while start < end:
+            n = min(int(rng.integers(5, 30)), end - start)
+            segment_ids[row, start:start + n], positions[row, start:start + n] = doc, np.arange(n)
+            start, doc = start + n, doc + 1
+    real = segment_ids > 0
+    tokens = np.where(real, rng.integers(1, vocab_size, (ROWS, LENGTH)), 0).astype(np.int32)
+    same_doc = real & (np.roll(segment_ids, -1, axis=1) == segment_ids)
+    targets = np.where(same_doc, np.roll(tokens, -1, axis=1), 0).astype(np.int32)
+    return dict(tokens=tokens, targets=targets, segment_ids=segment_ids, positions=positions,
+                loss_mask=same_doc.astype(np.float32))
+
+
+def initial_state(model: ModelConfig):
+    """Host copy of a fresh (model, optimizer) state, to be placed on every mesh."""
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    return jax.device_get(create_state(model, keep_grads(), mesh, seed=0).state)
+
+
+def first_step(host_state, model: ModelConfig, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices):
+    """(loss, {parameter path: gradient}) of one train step on `packed_batch()` as the loop would run it."""
+    mesh = make_mesh(mesh_config, devices)
+    check_context(parallel_config, mesh.shape, seq_len=LENGTH, num_heads=model.num_heads)
+    plan = attention_plan(parallel_config, mesh.shape)
+    graphdef, _, shardings = abstract_state(model, keep_grads(), mesh)
+    state = TrainState(graphdef, jax.device_put(host_state, shardings), shardings)
+    step = make_train_step(state, mesh, chunk_size=32, accum_steps=1, plan=plan)
+    batch = to_layout(packed_batch(model.vocab_size), plan, mesh.shape["context"])
+    with jax.set_mesh(mesh):
+        new_state, metrics = step(state.state, jax.device_put(batch, batch_sharding(mesh)))
+    grads = jax.tree_util.tree_leaves_with_path(jax.device_get(new_state[1]["opt_state"]))
+    return float(metrics["loss"]), {jax.tree_util.keystr(path): np.asarray(g) for path, g in grads}
+
+
+def assert_same_step(result, reference, tolerance: float = 1e-5) -> None:
+    """Loss within `tolerance` relative and every gradient within `tolerance` in relative L2 norm."""
+    (loss, grads), (ref_loss, ref_grads) = result, reference
+    np.testing.assert_allclose(loss, ref_loss, rtol=tolerance)
+    assert grads.keys() == ref_grads.keys()
+    for name, ref in ref_grads.items():
+        error = np.linalg.norm(grads[name] - ref) / max(np.linalg.norm(ref), 1e-30)
+        assert error <= tolerance, (name, error)

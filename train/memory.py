@@ -1,0 +1,169 @@
+"""Per-device memory of the training step, planned by compiling the real step ahead of time on abstract shapes.
+
+Nothing is allocated and no data is read: the state comes from `nnx.eval_shape`, state and batch are
+`jax.ShapeDtypeStruct`s with the run's NamedShardings, and the jitted train step is lowered and compiled for
+the configured mesh. Parameters, optimizer state, gradients and the batch are exact (their per-device shard
+shapes); temporaries and the total come from `compiled.memory_analysis()`, i.e. from the buffer assignment of
+the backend that compiled the plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from models.remat import check_policy
+from parallel.context import attention_plan, check_context
+from parallel.mesh import batch_sharding, check_batch, make_mesh
+from train.config import Config
+from train.optimizer import make_optimizer
+from train.state import TrainState, abstract_state
+from train.step import make_train_step
+
+BATCH_DTYPES = {"tokens": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
+                "loss_mask": np.float32}  # as train/data.py yields them
+
+# The plan never runs the step: on CPU, LLVM's optimisations are skipped (the compile takes about half as long;
+# the buffer assignment is the same, as the tests check against a default compile)
+CPU_OPTIONS = {"xla_backend_optimization_level": 0}
+
+SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+SIZE_FORMS = ("bytes (141e9, 85899345920) or a number with a unit: 80GiB, 80GB, 512MiB (KB MB GB TB = 1000^n bytes, "
+              "KiB MiB GiB TiB = 1024^n bytes)")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device of one training step, and the step that was compiled.
+
+    params, model_state (other model variables, e.g. router biases), optimizer, gradients (one gradient
+    tree: the parameters' shapes and dtypes) and batch are exact shard sizes. arguments, outputs, aliased
+    (outputs written into the donated state) and temporaries (gradients, activations, collectives' buffers)
+    are the compiler's; gradients live among the temporaries."""
+
+    params: int
+    model_state: int
+    optimizer: int
+    gradients: int
+    batch: int
+    arguments: int
+    outputs: int
+    aliased: int
+    temporaries: int
+    platform: str
+    devices: int
+    mesh: dict[str, int]
+    config: Config  # as planned: model.dtype resolved (for_accelerator)
+    compile_seconds: float
+
+    @property
+    def total(self) -> int:
+        """Peak per device: inputs + the outputs not written into donated inputs + temporaries."""
+        return self.arguments + self.outputs - self.aliased + self.temporaries
+
+    def fits(self, device_memory: int) -> bool:
+        return self.total <= device_memory
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80GB', '141e9', '512 MiB' -> bytes (>= 1); a ValueError names the value and the allowed forms."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = (match.group(2).upper() or "B") if match else None
+    size = int(float(match.group(1)) * SIZE_UNITS[unit]) if unit in SIZE_UNITS else 0
+    if size < 1:
+        raise ValueError(f"device memory {text!r} is not a size of at least 1 byte; use {SIZE_FORMS}")
+    return size
+
+
+def format_size(size: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: 1536 -> '1.50 KiB'."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if abs(size) >= SIZE_UNITS[unit.upper()]:
+            return f"{size / SIZE_UNITS[unit.upper()]:.2f} {unit}"
+    return f"{size} B"
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of a tree of sharded arrays or ShapeDtypeStructs (the largest shard of each)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+def for_accelerator(config: Config) -> Config:
+    """`model.dtype=auto` made explicit as bfloat16, the compute dtype of the GPU/TPU run being planned."""
+    if config.model.dtype != "auto":
+        return config
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+
+
+def abstract_batch(config: Config, mesh) -> dict:
+    """The step's input arrays as ShapeDtypeStructs [train.batch_size, data.seq_len] with the batch sharding."""
+    shape, sharding = (config.train.batch_size, config.data.seq_len), batch_sharding(mesh)
+    return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for key, dtype in BATCH_DTYPES.items()}
+
+
+def plan_memory(config: Config, devices=None) -> MemoryPlan:
+    """Compiles the configured train step for the mesh over `devices` (default: all) on abstract state and
+    batch, and returns the bytes per device (`model.dtype=auto` planned as bfloat16, see for_accelerator)."""
+    config = for_accelerator(config)
+    mesh = make_mesh(config.mesh, devices)
+    check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
+    check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
+    platform = mesh.devices.flat[0].platform
+    check_policy(config.model.remat_policy, platform)
+    graphdef, state, shardings = abstract_state(config.model, make_optimizer(config.optimizer, config.train.steps), mesh)
+    batch = abstract_batch(config, mesh)
+    with jax.set_mesh(mesh):
+        step = make_train_step(TrainState(graphdef, state, shardings), mesh, chunk_size=config.model.loss_chunk_size,
+                               accum_steps=config.train.grad_accum_steps,
+                               plan=attention_plan(config.parallel, mesh.shape))
+        start = time.perf_counter()
+        compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else None)
+        seconds = time.perf_counter() - start
+    stats = compiled.memory_analysis()
+    model, optimizer = state[0], state[1]
+    params = shard_bytes(nnx.filter_state(model, nnx.Param))
+    return MemoryPlan(
+        params=params, model_state=shard_bytes(model) - params, optimizer=shard_bytes(optimizer), gradients=params,
+        batch=shard_bytes(batch), arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
+        aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes, platform=platform,
+        devices=mesh.size, mesh={name: size for name, size in mesh.shape.items() if size > 1},
+        config=config, compile_seconds=seconds)
+
+
+def format_plan(plan: MemoryPlan, device_memory: int | None = None) -> str:
+    """The plan as a table of bytes per device, with a fits / does-not-fit line when `device_memory` is given."""
+    mesh = " x ".join(f"{name}={size}" for name, size in plan.mesh.items()) or "one device"
+    m, t = plan.config.model, plan.config.train
+    unaliased = plan.outputs - plan.aliased
+    rows = [
+        ("parameters", plan.params, "exact: sharded shapes"),
+        ("model state", plan.model_state, "exact: non-parameter variables"),
+        ("optimizer state", plan.optimizer, "exact: sharded shapes"),
+        ("batch", plan.batch, "exact: sharded shapes"),
+        ("temporaries", plan.temporaries, f"{plan.platform} compiler's buffer assignment, of which:"),
+        ("  gradients", plan.gradients, "exact: one gradient tree"),
+        ("  activations etc.", plan.temporaries - plan.gradients, "the rest"),
+        ("outputs not in place", unaliased, "outputs not written into the donated state"),
+        ("total", plan.total, "arguments + temporaries + outputs not in place"),
+    ]
+    lines = [f"memory plan: {plan.devices} {plan.platform} devices, mesh {mesh}; batch {t.batch_size} x "
+             f"{plan.config.data.seq_len} tokens in {t.grad_accum_steps} micro-batch(es); remat {m.remat_policy}; "
+             f"params {m.param_dtype}, compute {m.dtype}; compiled in {plan.compile_seconds:.1f} s",
+             "per device:"]
+    lines += [f"  {name:<22}{format_size(size):>12}   {note}" for name, size, note in rows if size or name == "total"]
+    if plan.platform == "cpu":
+        lines.append("temporaries come from the CPU compiler's buffer assignment (a GPU/TPU compile would differ); "
+                     "parameters, optimizer state, gradients and batch are exact")
+    if device_memory is not None:
+        verdict = (f"fits, {format_size(device_memory - plan.total)} free" if plan.fits(device_memory)
+                   else f"does NOT fit, {format_size(plan.total - device_memory)} over")
+        lines.append(f"device memory {format_size(device_memory)}: {verdict} "
+                     f"(total {plan.total / device_memory:.0%} of it)")
+    return "\n".join(lines)
