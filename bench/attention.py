@@ -23,6 +23,7 @@ unpacked 131072-token forward (one call).
 
     cd /work/main && PYTHONPATH=. .venv/bin/python bench/attention.py
     PYTHONPATH=. .venv/bin/python bench/attention.py --only packing --long 32768
+    PYTHONPATH=. .venv/bin/python bench/attention.py --quick    # --lengths 2048 --long 32768 --backward-len 8192
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.report import ratio
 from parallel import blockwise
 from parallel.dense import dense_attention
 from parallel.segments import block_summary, visible_blocks
@@ -106,11 +108,13 @@ def forward_backward(fn):
     return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v)), argnums=(0, 1, 2)))
 
 
-def kernel_vs_dense(args: argparse.Namespace) -> str:
+def kernel_vs_dense(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]]:
+    """(markdown table, ratios: time of each timed version and temp memory at --long, against the kernel)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     lines = [f"| T | implementation | fwd+bwd (ms) | calls | time vs kernel | temp (MiB) | temp vs kernel "
              f"| fits in {ram / GIB:.0f} GiB RAM |",
              "|---|---|---|---|---|---|---|---|"]
+    ratios = []
     for length in [*args.lengths, args.long]:
         timed = length != args.long
         qkv = random_qkv(length, HEADS) if timed else (jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM),
@@ -136,7 +140,12 @@ def kernel_vs_dense(args: argparse.Namespace) -> str:
             fits = "yes" if totals[name] < ram else "no"
             lines.append(f"| {length:,} | {name} | {time_cells} | {temps[name] / MIB:,.1f} "
                          f"| {temps[name] / temps['blockwise kernel']:,.1f} | {fits} |")
-    return "\n".join(lines)
+            if run and run is not kernel:
+                ratios.append((f"fwd+bwd time, {name}, T={length:,}", "blockwise kernel", run.best / kernel.best))
+            if length == args.long and name != "blockwise kernel":
+                ratios.append((f"compiled temp memory, {name}, T={length:,}", "blockwise kernel",
+                               temps[name] / temps["blockwise kernel"]))
+    return "\n".join(lines), ratios
 
 
 # ---- 2. block skipping on packed rows ---------------------------------------------------------------------
@@ -157,10 +166,12 @@ def kernel_with_ids(q, k, v, seg):
                                block_kv=PACK_BLOCK)[0]
 
 
-def packing(args: argparse.Namespace) -> str:
+def packing(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]]:
+    """(markdown table, ratios: visited block pairs and time of the unpacked row against the packed one)."""
     lines = ["| T | pass | row | documents | visited block pairs | pairs unpacked / packed | time (s) | calls "
              "| time unpacked / packed | ms per visited pair |",
              "|---|---|---|---|---|---|---|---|---|---|"]
+    ratios = []
     forward = jax.jit(kernel_with_ids)
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v, seg: jnp.sum(kernel_with_ids(q, k, v, seg)), argnums=(0, 1, 2)))
     for length, name, fn in ((args.long, "fwd", forward), (args.backward_len, "fwd+bwd", fwd_bwd)):
@@ -177,7 +188,10 @@ def packing(args: argparse.Namespace) -> str:
             lines.append(f"| {length:,} | {name} | {row} | {docs} x {length // docs:,} | {pairs[row]:,} "
                          f"| {pairs['unpacked'] / pairs[row]:.1f} | {run.best:.2f} | {run.calls} "
                          f"| {best['unpacked'].best / run.best:.1f} | {1e3 * run.best / pairs[row]:.1f} |")
-    return "\n".join(lines)
+        what = f"{name}, T={length:,}, one causal document vs {length // args.doc_len} packed documents"
+        ratios.append((f"visited block pairs, {what}", "packed row", pairs["unpacked"] / pairs["packed"]))
+        ratios.append((f"time, {what}", "packed row", best["unpacked"].best / best["packed"].best))
+    return "\n".join(lines), ratios
 
 
 def parse_args() -> argparse.Namespace:
@@ -193,7 +207,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per version after the warm-up")
     parser.add_argument("--single-call-s", type=float, default=15.0,
                         help="a version whose warm-up call is longer than this is timed by that call alone")
+    parser.add_argument("--quick", action="store_true", help="--lengths 2048 --long 32768 --backward-len 8192")
     args = parser.parse_args()
+    if args.quick:
+        args.lengths, args.long, args.backward_len = "2048", 32768, 8192
     args.lengths = [int(x) for x in args.lengths.split(",")]
     return args
 
@@ -201,13 +218,20 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     print(f"device: {jax.devices()[0].device_kind} ({jax.device_count()} device), float32, batch 1")
+    ratios = []
     if args.only != "packing":
         print(f"\n## Kernel vs dense, causal, {HEADS} heads x {HEAD_DIM}, forward+backward\n")
-        print(kernel_vs_dense(args))
+        table, found = kernel_vs_dense(args)
+        print(table)
+        ratios += found
     if args.only != "dense":
         print(f"\n## Block skipping: {args.doc_len:,}-token documents packed in one row vs one causal document, "
               f"{PACK_HEADS} head x {HEAD_DIM}, block {PACK_BLOCK}\n")
-        print(packing(args))
+        table, found = packing(args)
+        print(table)
+        ratios += found
+    for measurement, baseline, value in ratios:
+        ratio(measurement, baseline, value)
 
 
 if __name__ == "__main__":

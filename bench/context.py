@@ -25,6 +25,7 @@
 
     cd /work/main && PYTHONPATH=. .venv/bin/python bench/context.py
     PYTHONPATH=. .venv/bin/python bench/context.py --length 32768 --cps 2,4,8 --dtype bfloat16
+    PYTHONPATH=. .venv/bin/python bench/context.py --quick    # --length 16384 --cps 8
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import parallel  # noqa: E402
+from bench.report import ratio  # noqa: E402
 from parallel import blockwise  # noqa: E402
 from parallel import plan as plans  # noqa: E402
 from parallel.reorder import layout_index  # noqa: E402
@@ -81,7 +83,8 @@ def step_pairs(length: int, cp: int, block: int, layout: str, table: bool) -> np
     return counts
 
 
-def balance(args: argparse.Namespace) -> str:
+def balance(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]]:
+    """(markdown table, ratios: busiest device / mean of the ring's layout and of the unbalanced one)."""
     flops_per_pair = 4 * args.block**2 * args.heads * args.head_dim
     ideal_pairs = (args.length / args.block) ** 2 / 2
     rows = (("dual_chunk + step table (ring)", "dual_chunk", True),
@@ -91,6 +94,7 @@ def balance(args: argparse.Namespace) -> str:
     lines = ["| cp | layout | busiest device (TFLOP) | mean (TFLOP) | busiest / mean | critical path / ideal "
              "per device | total / ideal T²/2 |",
              "|---|---|---|---|---|---|---|"]
+    ratios = []
     for cp in args.cps:
         for name, layout, table in rows:
             counts = step_pairs(args.length, cp, args.block, layout, table)
@@ -100,7 +104,10 @@ def balance(args: argparse.Namespace) -> str:
                          f"| {per_device.mean() * flops_per_pair / 1e12:.2f} "
                          f"| {per_device.max() / per_device.mean():.3f} "
                          f"| {critical / (ideal_pairs / cp):.3f} | {counts.sum() / ideal_pairs:.3f} |")
-    return "\n".join(lines)
+            if name.startswith(("dual_chunk + step table", "contiguous")):
+                ratios.append((f"ring FLOPs of the busiest device, cp={cp}, {name}", "mean device",
+                               per_device.max() / per_device.mean()))
+    return "\n".join(lines), ratios
 
 
 # ---- 2. per-device memory ---------------------------------------------------------------------------------
@@ -160,13 +167,14 @@ def all_gather_local(cp: int, args: argparse.Namespace) -> Memory:
     return memory_of("kernel: T/cp queries x T keys", 1, loss_grad(fn).lower(q_shape, kv_shape, kv_shape).compile())
 
 
-def memory(args: argparse.Namespace) -> tuple[str, list[str]]:
+def memory(args: argparse.Namespace) -> tuple[str, list[str], list[tuple[str, str, float]]]:
     blocks = dataclasses.replace(plans.current(), block_q=args.block, block_kv=args.block)
     with plans.use(blocks):
         return memory_tables(args)
 
 
-def memory_tables(args: argparse.Namespace) -> tuple[str, list[str]]:
+def memory_tables(args: argparse.Namespace) -> tuple[str, list[str], list[tuple[str, str, float]]]:
+    """(markdown table, notes, ratios: per-device args + output + temp of each strategy against none(T))."""
     itemsize = jnp.dtype(args.dtype).itemsize
     full = args.length * args.heads * args.head_dim * itemsize  # one global q-sized tensor
     whole = single_device(args.length, args)
@@ -180,15 +188,17 @@ def memory_tables(args: argparse.Namespace) -> tuple[str, list[str]]:
                      f"| {m.temp / MIB:,.1f} | {m.temp / unit:.2f} | {m.temp / whole.temp:.3f} "
                      f"| {m.total / whole.total:.3f} |")
 
-    notes = []
+    notes, ratios = [], []
     row(whole, args.length)
     for cp in args.cps:
         n = args.length // cp
         share = single_device(n, args)
         row(share, n)
         results = {strategy: sharded(strategy, cp, args) for strategy in STRATEGIES}
-        for result in results.values():
+        for strategy, result in results.items():
             row(result, n)
+            ratios.append((f"per-device args+output+temp, {strategy}, cp={cp}", f"none, one device, T={args.length:,}",
+                           result.total / whole.total))
         local = all_gather_local(cp, args)
         # kernel temp = slope * T + intercept from the two single-device compiles; the intercept is the
         # block-sized term
@@ -208,7 +218,7 @@ def memory_tables(args: argparse.Namespace) -> tuple[str, list[str]]:
             f"{whole.temp / MIB:,.1f} / {cp} + {intercept / MIB:,.1f} = {target / MIB:,.1f} MiB "
             f"(block term: intercept of the single-device temp fitted at T/cp and T): "
             f"{'met' if ring <= target else f'missed by {ring / target:.1f}x'}.")
-    return "\n".join(lines), notes
+    return "\n".join(lines), notes, ratios
 
 
 def parse_args() -> argparse.Namespace:
@@ -220,7 +230,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block", type=int, default=512, help="kernel block_q = block_kv, counted and compiled")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--quick", action="store_true", help="--length 16384 --cps 8")
     args = parser.parse_args()
+    if args.quick:
+        args.length, args.cps = 16384, "8"
     args.cps = [int(x) for x in args.cps.split(",")]
     args.dtype = jnp.dtype(args.dtype)
     return args
@@ -230,16 +243,22 @@ def main() -> None:
     args = parse_args()
     print(f"device: {jax.device_count()} x {jax.devices()[0].device_kind} (simulated); causal, batch 1, "
           f"T = {args.length:,}, {args.heads} heads x {args.head_dim}, block {args.block}")
+    ratios = []
     if args.only != "memory":
         print("\n## Ring load balance (forward FLOPs over all ring steps, counted from visible block pairs)\n")
-        print(balance(args))
+        table, found = balance(args)
+        print(table)
+        ratios += found
     if args.only != "balance":
         print(f"\n## Per-device memory, forward+backward, {args.dtype.name}, dual_chunk layout "
               f"(compiled, not run)\n")
-        table, notes = memory(args)
+        table, notes, found = memory(args)
         print(table)
         print()
         print("\n".join(notes))
+        ratios += found
+    for measurement, baseline, value in ratios:
+        ratio(measurement, baseline, value)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,13 @@ limit; `cli import` = `python -m models.hf import` (load + orbax save); `cli exp
 export` of that import (orbax restore + save_pretrained).
 
     PYTHONPATH=. .venv/bin/python bench/hf_memory.py [--layers 12] [--shard-mb 100]
+    PYTHONPATH=. .venv/bin/python bench/hf_memory.py --quick    # --layers 2
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import pathlib
@@ -21,6 +23,8 @@ import resource
 import subprocess
 import sys
 import tempfile
+
+from bench.report import ratio, skip
 
 MIB = 2**20
 STEPS = ("baseline", "load", "load + save", "cli import", "cli export")
@@ -84,12 +88,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--shard-mb", type=int, default=100, help="max shard size of the source and the export")
+    parser.add_argument("--quick", action="store_true", help="--layers 2")
     parser.add_argument("--child", nargs=4, metavar=("STEP", "WORK", "SHARD_BYTES", "LAYERS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         step, work, shard_bytes, layers = args.child
         child(step, pathlib.Path(work), int(shard_bytes), int(layers))
         return
+    if not all(importlib.util.find_spec(name) for name in ("torch", "transformers")):
+        skip("needs torch and transformers (pip install -e '.[hf]')")
+    if args.quick:
+        args.layers = 2
     shard_bytes = args.shard_mb * 10**6
     with tempfile.TemporaryDirectory() as work:
         work = pathlib.Path(work)
@@ -107,6 +116,9 @@ def main() -> None:
         above = peaks[step] - peaks["baseline"]
         print(f"| {step} | {peaks[step]:.1f} | {above:.1f} | {above / model:.2f} | {(above - model) / shard:.2f} "
               f"| {(above - model) / tensor:.2f} |")
+    for step in STEPS[1:]:
+        above = peaks[step] - peaks["baseline"]
+        ratio(f"peak RSS above baseline, {step}, {args.layers} layers", "model size", above / model)
 
 
 if __name__ == "__main__":

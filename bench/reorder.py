@@ -5,25 +5,29 @@ For each array, cp, layout and direction, both versions are jitted: `to_balanced
 from `layout_index`. After one warm-up call each, their timed calls alternate (which goes first
 alternates too); the time is the best of the array's repeats. Prints a markdown table per array with
 the time ratio gather / static (> 1: static is faster) and gather, while and total instruction counts of
-each compiled HLO.
+each compiled HLO, and per array and layout the median gather / static ratio over cp and direction.
 
     PYTHONPATH=. python bench/reorder.py
+    PYTHONPATH=. python bench/reorder.py --quick    # cp 8 only, 3 timed calls per version on the activation
 """
 
 from __future__ import annotations
 
+import argparse
 import re
+import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.report import ratio
 from parallel.reorder import from_balanced, layout_index, to_balanced
 
-# name -> (shape, dtype, timed calls per version)
-ARRAYS = {"activation [1, 131072, 8, 128] bf16": ((1, 131072, 8, 128), jnp.bfloat16, 10),
-          "tokens [1, 131072] int32": ((1, 131072), jnp.int32, 100)}
+# name -> (shape, dtype, timed calls per version, the same with --quick)
+ARRAYS = {"activation [1, 131072, 8, 128] bf16": ((1, 131072, 8, 128), jnp.bfloat16, 10, 3),
+          "tokens [1, 131072] int32": ((1, 131072), jnp.int32, 100, 100)}
 CPS = (2, 8, 16)
 LAYOUTS = (("dual_chunk", 1), ("striped", 1))
 
@@ -54,8 +58,8 @@ def seconds(compiled, x) -> float:
     return time.perf_counter() - start
 
 
-def measure(x, repeats, cp, strategy, stripe, forward) -> str:
-    """One table row: static and gather versions compiled, checked equal, timed interleaved."""
+def measure(x, repeats, cp, strategy, stripe, forward) -> tuple[str, float]:
+    """(table row, gather / static time): static and gather versions compiled, checked equal, timed interleaved."""
     versions = [static_fn(cp, strategy, stripe, forward), gather_fn(cp, strategy, stripe, forward, x.shape[1])]
     compiled = [fn.lower(x).compile() for fn in versions]
     static_out, gather_out = (c(x) for c in compiled)
@@ -67,24 +71,36 @@ def measure(x, repeats, cp, strategy, stripe, forward) -> str:
             best[i] = min(best[i], seconds(compiled[i], x))
     counts = [hlo_counts(c) for c in compiled]
     direction = "to" if forward else "from"
-    return (f"| {cp} | {strategy} | {direction} | {1e3 * best[0]:.3f} | {1e3 * best[1]:.3f} "
-            f"| {best[1] / best[0]:.2f} | " + " | ".join(f"{g} / {w} / {n}" for g, w, n in counts) + " |")
+    row = (f"| {cp} | {strategy} | {direction} | {1e3 * best[0]:.3f} | {1e3 * best[1]:.3f} "
+           f"| {best[1] / best[0]:.2f} | " + " | ".join(f"{g} / {w} / {n}" for g, w, n in counts) + " |")
+    return row, best[1] / best[0]
 
 
 def main() -> None:
-    for name, (shape, dtype, repeats) in ARRAYS.items():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="cp 8 only, 3 timed calls per version on the activation")
+    args = parser.parse_args()
+    cps = (8,) if args.quick else CPS
+    ratios = {}
+    for name, (shape, dtype, repeats, quick_repeats) in ARRAYS.items():
+        repeats = quick_repeats if args.quick else repeats
         x = jnp.asarray(np.random.default_rng(0).normal(size=shape) * 1000, dtype)
         print(f"{name}, {x.nbytes / 2**20:g} MiB, best of {repeats} calls")
         print()
         print("| cp | layout | direction | static (ms) | gather (ms) | gather / static "
               "| static HLO gather / while / instr | gather HLO gather / while / instr |")
         print("|---|---|---|---|---|---|---|---|")
-        for cp in CPS:
+        for cp in cps:
             for strategy, stripe in LAYOUTS:
                 for forward in (True, False):
-                    print(measure(x, repeats, cp, strategy, stripe, forward), flush=True)
+                    row, gather_over_static = measure(x, repeats, cp, strategy, stripe, forward)
+                    ratios.setdefault((name.split(" [")[0], strategy), []).append(gather_over_static)
+                    print(row, flush=True)
         print()
     print(f"device: {jax.device_count()} x {jax.devices()[0].device_kind}")
+    for (array, strategy), values in ratios.items():
+        ratio(f"{array} reorder time, index gather, {strategy} (median over cp {'/'.join(map(str, cps))}, to/from)",
+              "static layout ops", statistics.median(values))
 
 
 if __name__ == "__main__":

@@ -1,16 +1,19 @@
 """Compiled temp memory and wall time of seqlens_offsets against one-hot O(T·S) and explicit-mask O(T²) methods.
 
 Run: PYTHONPATH=. python bench/segments.py
+     PYTHONPATH=. python bench/segments.py --quick    # causal mask only
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.report import ratio
 from parallel.segments import INT32_MAX, seqlens_offsets
 
 SEGMENTS = 16
@@ -89,21 +92,32 @@ def measure(fn, length: int, mask: str, run: bool = True):
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="causal mask only")
+    masks = ("causal",) if parser.parse_args().quick else ("causal", "padding")
     methods = (("(a) segment reductions", seqlens_offsets), ("(b) one-hot [T, S+1]", onehot),
                ("(c) explicit [T, T] mask", explicit))
     print(f"backend: {jax.default_backend()}, batch 1, S={SEGMENTS}\n")
     print("| mask | T | method | temp MiB | time ms | temp / (a) | time / (a) |")
     print("|---|---|---|---|---|---|---|")
-    for mask in ("causal", "padding"):
+    ratios = []  # (measurement, baseline, value), reported after the table
+    for mask in masks:
         for length in (LONG, SHORT):
             base_temp, base_time = measure(seqlens_offsets, length, mask)
             for name, fn in methods:
                 run = not (fn is explicit and length == LONG)
                 temp, ms = (base_temp, base_time) if fn is seqlens_offsets else measure(fn, length, mask, run)
                 ms_text = f"{ms:.2f}" if ms is not None else "not run"
-                ratio = f"{ms / base_time:.1f}x" if ms is not None else "-"
+                ratio_text = f"{ms / base_time:.1f}x" if ms is not None else "-"
                 print(f"| {mask} | {length} | {name} | {temp:.2f} | {ms_text} | {temp / max(base_temp, 1e-9):.1f}x "
-                      f"| {ratio} |")
+                      f"| {ratio_text} |")
+                if fn is not seqlens_offsets and length == LONG:
+                    ratios.append((f"{mask} T={length} temp memory, {name[4:]}", "segment reductions",
+                                   temp / max(base_temp, 1e-9)))
+                if fn is not seqlens_offsets and ms is not None:
+                    ratios.append((f"{mask} T={length} time, {name[4:]}", "segment reductions", ms / base_time))
+    for measurement, baseline, value in ratios:
+        ratio(measurement, baseline, value)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ float32 matmul rate).
 
     PYTHONPATH=. python bench/train_throughput.py
     PYTHONPATH=. python bench/train_throughput.py --models 100m --steps 20 --batch 8 --seq-len 1024
+    PYTHONPATH=. python bench/train_throughput.py --quick    # tiny only, 3 timed steps per policy
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from bench.report import ratio
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.config import Config, load_config
 from train.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
@@ -157,6 +159,16 @@ def table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def report_ratios(results: list[Result]) -> None:
+    """tokens/s and compiled temp memory of every policy against remat none, per model."""
+    baseline = {r.model: r for r in results if r.policy == "none"}
+    for r in results:
+        if r.policy != "none":
+            base = baseline[r.model]
+            ratio(f"{r.model} tokens/s, remat {r.policy}", "remat none", r.tokens_per_sec / base.tokens_per_sec)
+            ratio(f"{r.model} compiled temp memory, remat {r.policy}", "remat none", r.temp_mib / base.temp_mib)
+
+
 def device_line(peak_per_device: float) -> str:
     kind = jax.devices()[0].device_kind
     source = "dense bf16 peak from train/flops.py" if kind.startswith(tuple(PEAK_FLOPS)) else "measured float32 matmul"
@@ -170,7 +182,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=0, help="global batch rows for every model "
                         "(default: 8 tiny, 2 100m)")
     parser.add_argument("--seq-len", type=int, default=0, help="tokens per row for every model (default: 256)")
+    parser.add_argument("--quick", action="store_true", help="--models tiny --steps 3")
     args = parser.parse_args()
+    if args.quick:
+        args.models, args.steps = "tiny", 3
     args.models = args.models.split(",")
     unknown = [name for name in args.models if name not in MODELS]
     if unknown:
@@ -186,6 +201,7 @@ def main() -> None:
     print(table(results))
     print()
     print(device_line(peak_per_device))
+    report_ratios(results)
 
 
 if __name__ == "__main__":
