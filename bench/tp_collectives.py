@@ -28,7 +28,7 @@ import parallel  # noqa: E402
 from bench.report import ratio  # noqa: E402
 from models.deepseek import Block  # noqa: E402
 from parallel.mesh import logical_spec, make_mesh, state_shardings  # noqa: E402
-from parallel.tensor import _token_specs  # noqa: E402
+from parallel.tensor import token_specs  # noqa: E402
 from train.config import MeshConfig, ModelConfig, RopeScalingConfig  # noqa: E402
 
 TP = 8
@@ -103,7 +103,7 @@ def compile_block(config: ModelConfig, *, moe: bool, scatter: bool, tokens: int)
     plan = parallel.plans.AttentionPlan(scatter=scatter, block_q=1024, block_kv=1024)
     with jax.set_mesh(mesh), parallel.plans.use(plan):
         shardings = nnx.state(state_shardings(state, mesh))
-        spec = _token_specs(3)[0] if scatter else logical_spec(("batch", "length", "embed"), mesh)
+        spec = token_specs(3)[0] if scatter else logical_spec(("batch", "length", "embed"), mesh)
         fn = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=(shardings, NamedSharding(mesh, spec)))
         return fn.lower(state, x).compile()
 
@@ -125,7 +125,7 @@ def norm_and_down_flops(config: ModelConfig, *, scatter: bool, tokens: int) -> f
 
     with jax.set_mesh(mesh), parallel.plans.use(parallel.plans.AttentionPlan(scatter=scatter)):
         shardings = nnx.state(state_shardings(state, mesh))
-        spec = _token_specs(3)[0] if scatter else logical_spec(("batch", "length", "embed"), mesh)
+        spec = token_specs(3)[0] if scatter else logical_spec(("batch", "length", "embed"), mesh)
         compiled = jax.jit(down, in_shardings=(shardings, NamedSharding(mesh, spec))).lower(state, x).compile()
     return compiled.cost_analysis().get("flops", 0.0)
 

@@ -13,7 +13,7 @@ from parallel import plan as plans
 from parallel.mesh import logical_spec
 from parallel.reorder import STRATEGIES as LAYOUTS
 from parallel.strategies import STRATEGIES
-from parallel.tensor import Tokens, gather, project_scatter, residual
+from parallel.tensor import gather, project_scatter, residual
 
 
 def attention(q, k, v, *, segment_ids=None, causal=True, scale=None, mesh=None, strategy=None, axis=None,

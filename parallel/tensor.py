@@ -39,7 +39,7 @@ def groups() -> int:
     return tensor_size() if plans.current().scatter else 1
 
 
-def _token_specs(ndim: int) -> tuple[PartitionSpec, PartitionSpec]:
+def token_specs(ndim: int) -> tuple[PartitionSpec, PartitionSpec]:
     """(scattered [batch, length, ...], gathered with a leading group axis [group, batch, length, ...]) specs."""
     mesh = jax.sharding.get_abstract_mesh()
     batch, length = logical_spec(("batch", "length"), mesh)
@@ -94,7 +94,7 @@ def gather(x: jax.Array) -> Tokens:
     -> `Tokens` holding every token of the local pieces: one all-gather over `tensor`."""
     if groups() == 1:
         return Tokens(x[None])
-    scattered, gathered = _token_specs(x.ndim)
+    scattered, gathered = token_specs(x.ndim)
 
     def local(piece):
         return jax.lax.all_gather(piece, AXIS, axis=1, tiled=True)[None]
@@ -109,7 +109,7 @@ def residual(x: jax.Array) -> jax.Array:
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
-    spec = _token_specs(x.ndim)[0] if groups() > 1 else logical_spec(("batch", "length", "embed"), mesh)
+    spec = token_specs(x.ndim)[0] if groups() > 1 else logical_spec(("batch", "length", "embed"), mesh)
     return jax.lax.with_sharding_constraint(x, spec)
 
 
@@ -127,7 +127,7 @@ def project_scatter(equation: str, x: jax.Array, kernel: jax.Array, split: str) 
     kernel = _split_axis(kernel, k_letters.index(split), tp)
     partial = jnp.einsum(f"{x_letters.replace(split, g + split)},{k_letters.replace(split, g + split)}->{g}{out}",
                          x, kernel)  # [group, batch, length, ...]: one partial sum per tensor rank
-    scattered, gathered = _token_specs(partial.ndim - 1)
+    scattered, gathered = token_specs(partial.ndim - 1)
 
     def local(piece):
         return jax.lax.psum_scatter(piece[0], AXIS, scatter_dimension=1, tiled=True)

@@ -35,8 +35,8 @@ def test_tiny_recipe_fine_tunes_an_imported_checkpoint_with_context_parallelism(
 
     run(load_config(RECIPE, [
         f"checkpoint.init_from={tmp_path / 'imported'}", f"train.output_dir={tmp_path / 'run'}",
-        "data.seq_len=1024", "data.max_documents=60", "train.steps=2", "checkpoint.every_steps=2",
-        "optimizer.learning_rate=1e-9", "train.progress_bar=false", "parallel.block_q=256", "parallel.block_kv=256"]))
+        "data.seq_len=512", "data.max_documents=30", "train.steps=2", "checkpoint.every_steps=2",
+        "optimizer.learning_rate=1e-9", "train.progress_bar=false", "parallel.block_q=64", "parallel.block_kv=64"]))
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
