@@ -17,6 +17,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 
 import jax  # noqa: E402
@@ -27,8 +28,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 import parallel  # noqa: E402
 from bench.report import ratio  # noqa: E402
 from models.deepseek import Block  # noqa: E402
-from parallel.mesh import logical_spec, make_mesh, state_shardings  # noqa: E402
-from parallel.tensor import token_specs  # noqa: E402
+from parallel.mesh import make_mesh, state_shardings  # noqa: E402
+from parallel.tensor import residual_spec  # noqa: E402
 from train.config import MeshConfig, ModelConfig, RopeScalingConfig  # noqa: E402
 
 TP = 8
@@ -80,53 +81,48 @@ def _group_size(line: str) -> int:
 
 
 def _prod(dims: str) -> int:
-    out = 1
-    for d in dims.split(","):
-        if d:
-            out *= int(d)
-    return out
+    """Product of a comma-separated list of sizes ("" -> 1)."""
+    return math.prod(int(d) for d in dims.split(",") if d)
 
 
-def compile_block(config: ModelConfig, *, moe: bool, scatter: bool, tokens: int):
-    """Compiled forward + backward of one block on a tensor=8 mesh (abstract shapes), scattered or not."""
+def compile_on_block(config: ModelConfig, fn, *, moe: bool, scatter: bool, tokens: int, grad: bool):
+    """`fn(block, x)` compiled for one abstract block and x [1, tokens, embed] bfloat16 on a tensor=8 mesh, with
+    the residual stream scattered or not; `grad`: its gradient with respect to the block's state and x."""
     mesh = make_mesh(MeshConfig(fsdp=1, tensor=TP))
-    block = nnx.eval_shape(lambda: Block(config, moe=moe, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(block)
-    dtype = jnp.bfloat16
-    x = jax.ShapeDtypeStruct((1, tokens, config.embed_dim), dtype)
-    positions = jnp.arange(tokens)[None]
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(config, moe=moe, rngs=nnx.Rngs(0))))
+    x = jax.ShapeDtypeStruct((1, tokens, config.embed_dim), jnp.bfloat16)
 
-    def loss(state, x):
-        out, _ = nnx.merge(graphdef, state)(x, positions, None)
-        return jnp.sum(out.astype(jnp.float32) ** 2)
+    def on_state(state, x):
+        return fn(nnx.merge(graphdef, state), x)
 
     plan = parallel.plans.AttentionPlan(scatter=scatter, block_q=1024, block_kv=1024)
     with jax.set_mesh(mesh), parallel.plans.use(plan):
-        shardings = nnx.state(state_shardings(state, mesh))
-        spec = token_specs(3)[0] if scatter else logical_spec(("batch", "length", "embed"), mesh)
-        fn = jax.jit(jax.grad(loss, argnums=(0, 1)), in_shardings=(shardings, NamedSharding(mesh, spec)))
-        return fn.lower(state, x).compile()
+        shardings = (nnx.state(state_shardings(state, mesh)), NamedSharding(mesh, residual_spec()))
+        compiled_fn = jax.grad(on_state, argnums=(0, 1)) if grad else on_state
+        return jax.jit(compiled_fn, in_shardings=shardings).lower(state, x).compile()
+
+
+def compile_block(config: ModelConfig, *, moe: bool, scatter: bool, tokens: int):
+    """Compiled forward + backward of one block (sum of squares of its output)."""
+
+    def loss(block, x):
+        out, _ = block(x, jnp.arange(tokens)[None], None)
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    return compile_on_block(config, loss, moe=moe, scatter=scatter, tokens=tokens, grad=True)
 
 
 def norm_and_down_flops(config: ModelConfig, *, scatter: bool, tokens: int) -> float:
     """Compiled FLOPs per device (forward) of the block's attention norm, MLA down-projections and latent norms:
     on T / tp tokens when scattered, on all T when the residual stream is replicated over tensor."""
-    mesh = make_mesh(MeshConfig(fsdp=1, tensor=TP))
-    block = nnx.eval_shape(lambda: Block(config, moe=False, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(block)
-    x = jax.ShapeDtypeStruct((1, tokens, config.embed_dim), jnp.bfloat16)
 
-    def down(state, x):
-        block = nnx.merge(graphdef, state)
+    def down(block, x):
         h = block.attn_norm(x)
         q_low = block.attn.q_a_norm(h @ block.attn.q_a[...])
         kv_low = h @ block.attn.kv_a[...]
         return q_low, block.attn.kv_a_norm(kv_low[..., :config.kv_lora_rank]), kv_low[..., config.kv_lora_rank:]
 
-    with jax.set_mesh(mesh), parallel.plans.use(parallel.plans.AttentionPlan(scatter=scatter)):
-        shardings = nnx.state(state_shardings(state, mesh))
-        spec = token_specs(3)[0] if scatter else logical_spec(("batch", "length", "embed"), mesh)
-        compiled = jax.jit(down, in_shardings=(shardings, NamedSharding(mesh, spec))).lower(state, x).compile()
+    compiled = compile_on_block(config, down, moe=False, scatter=scatter, tokens=tokens, grad=False)
     return compiled.cost_analysis().get("flops", 0.0)
 
 

@@ -103,14 +103,19 @@ def gather(x: jax.Array) -> Tokens:
     return Tokens(jax.shard_map(local, mesh=mesh, in_specs=scattered, out_specs=gathered, check_vma=True)(x))
 
 
+def residual_spec() -> PartitionSpec:
+    """Sharding of the residual stream [batch, length, embed] on the current mesh: length over context x ulysses,
+    and over `tensor` too when scattered."""
+    if groups() > 1:
+        return token_specs(3)[0]
+    return logical_spec(("batch", "length", "embed"), jax.sharding.get_abstract_mesh())
+
+
 def residual(x: jax.Array) -> jax.Array:
-    """Constrains the residual stream x [batch, length, embed]: length over context x ulysses, and over `tensor`
-    too when scattered."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
+    """Constrains the residual stream x [batch, length, embed] to `residual_spec()` when a mesh is set."""
+    if jax.sharding.get_abstract_mesh().empty:
         return x
-    spec = token_specs(x.ndim)[0] if groups() > 1 else logical_spec(("batch", "length", "embed"), mesh)
-    return jax.lax.with_sharding_constraint(x, spec)
+    return jax.lax.with_sharding_constraint(x, residual_spec())
 
 
 def project_scatter(equation: str, x: jax.Array, kernel: jax.Array, split: str) -> jax.Array:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from models.hf.rope import rope_from_hf, rope_to_hf
-from models.hf.spec import Family, Tensor, same, transpose
+from models.hf.spec import Family, Tensor, heads_in_to_hf, heads_out_to_hf, same, transpose
 from train.config import ModelConfig
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -183,21 +183,9 @@ def heads_in(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
     return weight.T.reshape(weight.shape[1], config.num_heads, -1)
 
 
-def heads_in_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """kernel [in, heads, head_dim] -> q/q_b/kv_b_proj weight [heads * head_dim, in]."""
-    del config
-    return kernel.reshape(kernel.shape[0], -1).T
-
-
 def heads_out(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
     """o_proj weight [embed, heads * v_head_dim] -> kernel [heads, v_head_dim, embed]."""
     return weight.T.reshape(config.num_heads, -1, weight.shape[0])
-
-
-def heads_out_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """kernel [heads, v_head_dim, embed] -> o_proj weight [embed, heads * v_head_dim]."""
-    del config
-    return kernel.reshape(-1, kernel.shape[-1]).T
 
 
 def _interleaving(rope: int) -> np.ndarray:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from models.hf.rope import rope_from_hf, rope_to_hf
-from models.hf.spec import Family, Tensor, per_layer, transpose
+from models.hf.spec import Family, Tensor, heads_in_to_hf, heads_out_to_hf, per_layer, transpose
 from train.config import ModelConfig
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -52,21 +52,9 @@ def heads_in(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
     return weight.T.reshape(weight.shape[1], -1, config.head_dim)
 
 
-def heads_in_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """kernel [embed, heads, head_dim] -> q/k/v_proj weight [heads * head_dim, embed]."""
-    del config
-    return kernel.reshape(kernel.shape[0], -1).T
-
-
 def heads_out(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
     """o_proj weight [embed, heads * head_dim] -> kernel [heads, head_dim, embed]."""
     return weight.T.reshape(-1, config.head_dim, weight.shape[0])
-
-
-def heads_out_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """kernel [heads, head_dim, embed] -> o_proj weight [embed, heads * head_dim]."""
-    del config
-    return kernel.reshape(-1, kernel.shape[-1]).T
 
 
 def tensors(config: ModelConfig) -> list[Tensor]:

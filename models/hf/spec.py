@@ -47,6 +47,18 @@ def same(array: np.ndarray, config: ModelConfig) -> np.ndarray:
     return array
 
 
+def heads_in_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Input-projection kernel [in, heads, head_dim] -> Hugging Face weight [heads * head_dim, in]."""
+    del config
+    return kernel.reshape(kernel.shape[0], -1).T
+
+
+def heads_out_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """Output-projection kernel [heads, head_dim, embed] -> Hugging Face weight [embed, heads * head_dim]."""
+    del config
+    return kernel.reshape(-1, kernel.shape[-1]).T
+
+
 def transpose(array: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Hugging Face Linear weight [out, in] <-> our kernel [in, out]."""
     del config

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 import models.deepseek
 import models.llama
 from parallel.mesh import make_mesh, state_shardings
-from parallel.tensor import token_specs
+from parallel.tensor import residual_spec
 from tests.train.step_reference import assert_same_step, first_step, initial_state
 from train.config import MeshConfig, ModelConfig, ParallelConfig
 
@@ -85,7 +85,7 @@ def compiled_block(block, grad: bool) -> str:
 
     with jax.set_mesh(mesh):
         shardings = nnx.state(state_shardings(state, mesh))
-        x_sharding = NamedSharding(mesh, token_specs(3)[0])
+        x_sharding = NamedSharding(mesh, residual_spec())
         fn = jax.grad(loss, argnums=(0, 1)) if grad else loss
         return jax.jit(fn, in_shardings=(shardings, x_sharding)).lower(state, x).compile().as_text()
 
