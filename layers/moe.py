@@ -1,8 +1,9 @@
 """DeepSeek-V2/V3 mixture of experts (as Hugging Face `DeepseekV3MoE` / `DeepseekV2Moe`).
 
 Router scores are DeepSeek-V3's sigmoid, with an aux-loss-free selection bias, or DeepSeek-V2's softmax over all
-experts, without one; optional group-limited routing; dropless routed experts computed with `jax.lax.ragged_dot`
-over token assignments sorted by expert; optional shared experts.
+experts, without one; optional group-limited routing; routed SwiGLU experts, run where `parallel.routed_experts`
+sends the tokens (dropless on one device, a capacity of `capacity_factor` x the balanced load per expert under
+expert parallelism); optional shared experts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ class RouterBias(nnx.Variable):
 def update_router_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.Array:
     """Aux-loss-free balancing: bias [experts] + rate * sign(mean(counts) - counts); under-loaded experts rise."""
     return (bias + rate * jnp.sign(jnp.mean(counts) - counts)).astype(bias.dtype)
+
+
+def expert_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes=None) -> jax.Array:
+    """SwiGLU experts, kernels gate / up [experts, embed, mlp], down [experts, mlp, embed]. Batched: x [experts,
+    rows, embed] -> [experts, rows, embed]; grouped: x [rows, embed] sorted by expert with group_sizes [experts]
+    rows each -> [rows, embed] (rows past the groups are padding)."""
+    if group_sizes is None:
+        hidden = jax.nn.silu(jnp.einsum("erd,edf->erf", x, gate)) * jnp.einsum("erd,edf->erf", x, up)
+        return jnp.einsum("erf,efd->erd", hidden, down)
+    hidden = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes)) * jax.lax.ragged_dot(x, up, group_sizes)
+    return jax.lax.ragged_dot(hidden, down, group_sizes)
 
 
 def load_imbalance(counts: jax.Array) -> jax.Array:
@@ -59,6 +71,7 @@ class MoE(nnx.Module):
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
         router_score: str = "sigmoid",
+        capacity_factor: float = 1.25,
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -76,6 +89,8 @@ class MoE(nnx.Module):
         if not 1 <= experts_per_token <= selectable:
             raise ValueError(f"experts_per_token={experts_per_token} must be in [1, {selectable}]: the experts of "
                              f"topk_group={topk_group} of n_group={n_group} groups of num_experts={num_experts}")
+        if capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be > 0")
         if num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
         self.num_experts = num_experts
@@ -85,6 +100,7 @@ class MoE(nnx.Module):
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
         self.router_score = router_score
+        self.capacity_factor = capacity_factor
         self.dtype = dtype
         # The router's experts axis stays whole: every token's selection needs all of its scores.
         self.gate = logical_param(_router_init(rngs.params(), (embed_dim, num_experts), param_dtype), ("embed", None))
@@ -101,7 +117,12 @@ class MoE(nnx.Module):
         )
 
     def route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens: [tokens, embed] -> (weights [tokens, k] float32, experts [tokens, k] int32).
+        """tokens: [tokens, embed] -> (weights [tokens, k] float32, experts [tokens, k] int32), see `_route`."""
+        return self._route(tokens, self.gate[...], self.bias[...])
+
+    def _route(self, tokens: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens: [tokens, embed], gate [embed, experts], bias [experts] -> (weights [tokens, k] float32, experts
+        [tokens, k] int32).
 
         sigmoid (DeepSeek-V3): experts are chosen by sigmoid scores + bias, groups scored by the sum of their
         top 2 choice scores. softmax (DeepSeek-V2): experts are chosen by the softmax over all experts, groups
@@ -109,13 +130,13 @@ class MoE(nnx.Module):
         groups; the weights are the un-biased scores of the chosen experts, renormalised if norm_topk_prob, times
         the scaling factor.
         """
-        logits = jnp.dot(tokens.astype(jnp.float32), self.gate[...].astype(jnp.float32),
+        logits = jnp.dot(tokens.astype(jnp.float32), gate.astype(jnp.float32),
                          precision=jax.lax.Precision.HIGHEST)
         if self.router_score == "softmax":
             scores = choice = jax.nn.softmax(logits, axis=-1)
         else:
             scores = jax.nn.sigmoid(logits)
-            choice = scores + self.bias[...].astype(jnp.float32)
+            choice = scores + bias.astype(jnp.float32)
         if self.n_group > 1:
             grouped = choice.reshape(choice.shape[0], self.n_group, -1)
             group_scores = (grouped.max(-1) if self.router_score == "softmax"
@@ -131,31 +152,15 @@ class MoE(nnx.Module):
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
         return weights * self.routed_scaling_factor, experts
 
-    def routed_experts(self, tokens: jax.Array, weights: jax.Array, experts: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Dropless experts: tokens [tokens, embed], weights / experts [tokens, k] -> ([tokens, embed] in `dtype`,
-        assignments per expert [experts] int32). Assignments are sorted by expert and run with `ragged_dot`."""
-        num_tokens, k = experts.shape
-        flat = experts.reshape(-1)
-        order = jnp.argsort(flat)
-        group_sizes = jnp.bincount(flat, length=self.num_experts).astype(jnp.int32)
-        x = tokens[order // k].astype(self.dtype)  # [tokens * k, embed], grouped by expert
-        gate = jax.lax.ragged_dot(x, self.experts_gate[...].astype(self.dtype), group_sizes)
-        up = jax.lax.ragged_dot(x, self.experts_up[...].astype(self.dtype), group_sizes)
-        out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, self.experts_down[...].astype(self.dtype), group_sizes)
-        out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
-        unsorted = jnp.zeros_like(out).at[order].set(out, unique_indices=True)
-        return unsorted.reshape(num_tokens, k, -1).sum(1).astype(self.dtype), group_sizes
-
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """x: [batch, length, embed] in the residual stream's layout -> (y [batch, length, embed] in `dtype`, same
-        layout, expert loads [experts] float32). The routed experts see every token of the local sequence pieces
-        (GSPMD gathers them over `tensor` under scattered tensor parallelism and reduce-scatters the output); the
-        shared experts are a SwiGLU with explicit collectives."""
-        gathered = parallel.shard(x, ("batch", "length", "embed"))
-        tokens = gathered.reshape(-1, x.shape[-1])
-        weights, experts = self.route(tokens)
-        y, counts = self.routed_experts(tokens, weights, experts)
-        y = parallel.residual(y.reshape(x.shape))
+        layout, {"counts": routed assignments per expert [experts], "dropped": assignments past the dispatch
+        capacity []}, float32). The routed experts go through `parallel.routed_experts` (tokens move to the
+        experts' devices); the shared experts are a SwiGLU with explicit collectives."""
+        kernels = tuple(k[...].astype(self.dtype) for k in (self.experts_gate, self.experts_up, self.experts_down))
+        y, counts, dropped = parallel.routed_experts(
+            x.astype(self.dtype), self._route, (self.gate[...], self.bias[...]), expert_swiglu, kernels,
+            num_experts=self.num_experts, capacity_factor=self.capacity_factor)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, counts.astype(jnp.float32)
+        return y, {"counts": counts, "dropped": dropped}

@@ -39,17 +39,18 @@ class Block(nnx.Module):
                            num_shared_experts=config.num_shared_experts, n_group=config.n_group,
                            topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
                            routed_scaling_factor=config.routed_scaling_factor,
-                           router_score=config.router_score, rngs=rngs, **kw)
+                           router_score=config.router_score,
+                           capacity_factor=config.expert_capacity_factor, rngs=rngs, **kw)
         else:
             self.mlp = SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
         self.moe = moe
 
     def __call__(self, x, positions, segment_ids):
-        """-> (x, expert counts [experts] float32 for an MoE block, else None)."""
+        """-> (x, for an MoE block {"counts": assignments per expert [experts], "dropped": []} float32, else None)."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         y = self.mlp(self.mlp_norm(x))
-        y, counts = y if self.moe else (y, None)
-        return parallel.residual(x + y), counts
+        y, stats = y if self.moe else (y, None)
+        return parallel.residual(x + y), stats
 
 
 class DeepSeek(Decoder):
@@ -68,20 +69,22 @@ class DeepSeek(Decoder):
 
     def hidden(self, tokens, positions=None, segment_ids=None):
         """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed],
-        aux {"expert_counts": [moe layers, experts] float32} (empty without MoE layers))."""
+        aux {"expert_counts": [moe layers, experts], "expert_dropped": [moe layers]} float32 (empty without MoE
+        layers))."""
         positions = default_positions(tokens, positions)
         x = parallel.residual(self.embed(tokens))
         aux = {}
         if self.dense_layers is not None:
             x, _ = run_stack(self.dense_layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
         if self.moe_layers is not None:
-            x, aux["expert_counts"] = run_stack(self.moe_layers, x, positions, segment_ids,
-                                                remat_policy=self.config.remat_policy)
+            x, stats = run_stack(self.moe_layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
+            aux = {"expert_counts": stats["counts"], "expert_dropped": stats["dropped"]}
         return parallel.shard(self.final_norm(x), ("batch", "length", "embed")), aux
 
     def balance(self, aux) -> dict:
         """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate
-        `router_bias_rate`) and returns the load metrics (imbalance = max / mean expert load, worst layer)."""
+        `router_bias_rate`) and returns the load metrics (imbalance = max / mean expert load, worst layer) and the
+        fraction of assignments dropped by the expert dispatch (all MoE layers)."""
         if self.moe_layers is None:
             return {}
         counts = jax.lax.stop_gradient(aux["expert_counts"])
@@ -89,4 +92,6 @@ class DeepSeek(Decoder):
         bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], counts,
                                                                         self.config.router_bias_rate)
         imbalance = jax.vmap(load_imbalance)(counts)
-        return {"expert_imbalance": jnp.max(imbalance), "expert_imbalance_mean": jnp.mean(imbalance)}
+        dropped = jnp.sum(aux["expert_dropped"]) / jnp.maximum(jnp.sum(counts), 1.0)
+        return {"expert_imbalance": jnp.max(imbalance), "expert_imbalance_mean": jnp.mean(imbalance),
+                "expert_dropped": dropped}

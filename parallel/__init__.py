@@ -1,6 +1,7 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
-tensor parallelism, sharding constraints. Models and layers call `parallel.attention`, `parallel.shard` (logical
-names), `parallel.residual`, `parallel.gather` and `parallel.project_scatter` only.
+tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.attention`,
+`parallel.shard` (logical names), `parallel.residual`, `parallel.gather`, `parallel.project_scatter` and
+`parallel.routed_experts` only.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import jax
 
 from parallel import plan as plans
+from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
 from parallel.reorder import STRATEGIES as LAYOUTS
 from parallel.strategies import STRATEGIES

@@ -1,7 +1,8 @@
-"""Context parallelism from a run config: the size checks, the attention plan, the host-side sequence reorder.
+"""Context and expert parallelism from a run config: the size checks, the plan, the host-side sequence reorder.
 
 Knows config-shaped objects only: a `parallel` section (context_strategy, load_balance, balance_layout, stripe,
-block_q, block_kv, fused_attention, scatter_residual) and mesh axis sizes (context, ulysses, tensor).
+block_q, block_kv, fused_attention, scatter_residual, expert_dispatch, expert_chunk_size) and mesh axis sizes
+(context, ulysses, tensor).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from parallel.experts import DISPATCHES
 from parallel.mesh import MeshError
 from parallel.plan import AttentionPlan
 from parallel.reorder import to_balanced
@@ -61,15 +63,33 @@ def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads
                  f"(it splits the heads over {key})")
 
 
-def attention_plan(parallel, sizes: Mapping[str, int]) -> AttentionPlan:
-    """The AttentionPlan for the traced steps: strategy, mesh axis ("context"; usp: ("context", "ulysses")),
-    layout for the context size in `sizes`, stripe, kernel block sizes and scattered tensor parallelism. The mesh
-    comes from `jax.set_mesh`."""
+EXPERT_DISPATCHES = ("auto", *DISPATCHES)
+
+
+def expert_dispatch(parallel, platform: str) -> str:
+    """`parallel.expert_dispatch` on devices of `platform` (cpu, gpu, tpu): auto = ragged on GPU/TPU, capacity on
+    CPU. Raises MeshError for ragged on CPU, whose compiler has no ragged all-to-all."""
+    dispatch = parallel.expert_dispatch
+    _require(dispatch in EXPERT_DISPATCHES,
+             f"parallel.expert_dispatch={dispatch!r} is not allowed; choose one of {', '.join(EXPERT_DISPATCHES)}")
+    if dispatch == "auto":
+        return "capacity" if platform == "cpu" else "ragged"
+    _require(dispatch != "ragged" or platform != "cpu",
+             "parallel.expert_dispatch=ragged needs a GPU or TPU: XLA:CPU cannot compile a ragged all-to-all; use "
+             "parallel.expert_dispatch=capacity (or auto) on CPU")
+    return dispatch
+
+
+def attention_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> AttentionPlan:
+    """The plan for the traced steps on devices of `platform`: strategy, mesh axis ("context"; usp: ("context",
+    "ulysses")), layout for the context size in `sizes`, stripe, kernel block sizes, scattered tensor parallelism
+    and the MoE dispatch (`expert_dispatch`). The mesh comes from `jax.set_mesh`."""
     strategy = parallel.context_strategy
     return AttentionPlan(strategy=strategy, axis=("context", "ulysses") if strategy == "usp" else "context",
                          layout=layout_for(parallel, sizes.get("context", 1)), stripe=parallel.stripe,
                          block_q=parallel.block_q, block_kv=parallel.block_kv, fused=parallel.fused_attention,
-                         scatter=parallel.scatter_residual)
+                         scatter=parallel.scatter_residual, expert_dispatch=expert_dispatch(parallel, platform),
+                         expert_chunk=parallel.expert_chunk_size)
 
 
 def to_layout(batch: Mapping[str, np.ndarray], plan: AttentionPlan, context: int) -> dict[str, np.ndarray]:

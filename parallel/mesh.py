@@ -27,9 +27,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "mlp": ("tensor",),
-    "experts": ("expert",),
-    "q_lora": (),
-    "kv_lora": (),
+    "experts": ("expert", "context", "ulysses", "tensor"),  # expert parallelism (parallel/experts.py)
+    "q_lora": ("fsdp", "context", "ulysses"),  # latent-attention parameters: sharded like embed (activations:
+    "kv_lora": ("fsdp", "context", "ulysses"),  # their batch and length take these axes first)
     "head_dim": (),
     "norm": (),
     "layers": (),

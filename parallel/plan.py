@@ -1,5 +1,6 @@
-"""How the code traced inside `use(plan)` is parallelised: attention strategy, mesh axis and sequence layout, and
-whether the residual stream is scattered over `tensor` (parallel/tensor.py).
+"""How the code traced inside `use(plan)` is parallelised: attention strategy, mesh axis and sequence layout,
+whether the residual stream is scattered over `tensor` (parallel/tensor.py), and how MoE tokens reach their
+experts (parallel/experts.py).
 
 The training step installs the plan from the run config while tracing, so models call `parallel.attention`
 without knowing about meshes; explicit arguments to `parallel.attention` override the plan.
@@ -20,7 +21,9 @@ class AttentionPlan:
     (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
     parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
     block_kv: blockwise kernel block sizes; fused: use cuDNN on GPU where it applies (parallel/fused.py);
-    scatter: scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`."""
+    scatter: scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
+    expert_dispatch: capacity or ragged (parallel/experts.py); expert_chunk: at most this many tokens per device
+    pass through an MoE block at once (0 = all)."""
 
     strategy: str = "none"
     axis: str | tuple[str, str] = "context"
@@ -31,6 +34,8 @@ class AttentionPlan:
     block_kv: int = 512
     fused: bool = True
     scatter: bool = True
+    expert_dispatch: str = "capacity"
+    expert_chunk: int = 0
 
 
 _CURRENT = contextvars.ContextVar("attention_plan", default=AttentionPlan())

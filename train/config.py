@@ -16,7 +16,7 @@ import yaml
 
 from layers.moe import ROUTER_SCORES
 from models.remat import NAMES as REMAT_POLICIES
-from parallel.context import check_context
+from parallel.context import EXPERT_DISPATCHES, check_context
 from parallel.mesh import MeshError
 
 
@@ -77,10 +77,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # routed_scaling_factor
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
     router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (V2, no bias)
+    expert_capacity_factor: float = 1.25  # expert parallelism: buffer rows per expert / its balanced load
 
 
 # ModelConfig fields a run chooses, free to change between restarts; the rest is the architecture
-RUNTIME_FIELDS = ("dtype", "remat_policy", "loss_chunk_size")
+RUNTIME_FIELDS = ("dtype", "remat_policy", "loss_chunk_size", "expert_capacity_factor")
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,8 @@ class ParallelConfig:
     block_kv: int = 512
     fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
+    expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices
+    expert_chunk_size: int = 0  # at most this many tokens per device through an MoE block at once; 0 = all
 
 @dataclass(frozen=True)
 class Config:
@@ -195,6 +198,7 @@ CHOICES = {
     "data.packing": ("concat", "first_fit"),
     "parallel.context_strategy": ("none", "all_gather", "ring", "ulysses", "usp"),
     "parallel.balance_layout": ("dual_chunk", "striped"),
+    "parallel.expert_dispatch": EXPERT_DISPATCHES,
 }
 
 
@@ -212,6 +216,7 @@ def _validate_deepseek(m: ModelConfig, mesh: MeshConfig) -> None:
              f"model.router_bias_rate=0 (it is {m.router_bias_rate})")
     if m.num_experts == 0:
         return
+    _require(m.expert_capacity_factor > 0, f"model.expert_capacity_factor={m.expert_capacity_factor} must be > 0")
     for key in ("experts_per_token", "moe_mlp_dim"):
         _require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 when model.num_experts > 0")
     _require(m.experts_per_token <= m.num_experts,
@@ -383,6 +388,8 @@ def validate(config: Config) -> None:
         _require(size == -1 or size >= 1, f"mesh.{name}={size} must be >= 1 or -1 (fill)")
     fills = [name for name, size in sizes.items() if size == -1]
     _require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join('mesh.' + f for f in fills)}")
+    _require(config.parallel.expert_chunk_size >= 0,
+             f"parallel.expert_chunk_size={config.parallel.expert_chunk_size} must be >= 0 (0 = all local tokens)")
     for key in ("parallel.stripe", "parallel.block_q", "parallel.block_kv"):
         _require(get(config, key) >= 1, f"{key}={get(config, key)!r} must be >= 1")
     if config.mesh.tensor > 1:

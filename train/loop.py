@@ -87,6 +87,7 @@ def run(config: Config) -> dict:
     mesh = make_mesh(config.mesh)
     check_batch(t.batch_size, t.grad_accum_steps, mesh)
     check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
+    plan = attention_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
     check_run_directory(output, config)
     output.mkdir(parents=True, exist_ok=True)
     main_process = jax.process_index() == 0
@@ -109,14 +110,14 @@ def run(config: Config) -> dict:
             params = restore_model_params(config.checkpoint.init_from, abstract[0])
             train_state.state[0] = params
     with jax.set_mesh(mesh):
-        return _loop(config, train_state, mesh, train_iter, datasets.get("eval"), checkpoints, start, tokenizer,
-                     main_process)
+        return _loop(config, train_state, mesh, plan, train_iter, datasets.get("eval"), checkpoints, start,
+                     tokenizer, main_process)
 
 
-def _loop(config, train_state, mesh, train_iter, eval_dataset, checkpoints, start, tokenizer, main_process) -> dict:
+def _loop(config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints, start, tokenizer,
+          main_process) -> dict:
     t, output = config.train, pathlib.Path(config.train.output_dir)
     chunk = config.model.loss_chunk_size
-    plan = attention_plan(config.parallel, mesh.shape)
     train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps, plan=plan)
     eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan)
     sharding = batch_sharding(mesh)

@@ -110,19 +110,23 @@ def abstract_batch(config: Config, mesh) -> dict:
 
 def plan_memory(config: Config, devices=None) -> MemoryPlan:
     """Compiles the configured train step for the mesh over `devices` (default: all) on abstract state and
-    batch, and returns the bytes per device (`model.dtype=auto` planned as bfloat16, see for_accelerator)."""
+    batch, and returns the bytes per device (`model.dtype=auto` planned as bfloat16, see for_accelerator; on CPU
+    the ragged expert dispatch is planned as the capacity dispatch, whose buffers have the same size)."""
     config = for_accelerator(config)
     mesh = make_mesh(config.mesh, devices)
     check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
     check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
     platform = mesh.devices.flat[0].platform
     check_policy(config.model.remat_policy, platform)
+    parallel_config = config.parallel
+    if platform == "cpu" and parallel_config.expert_dispatch == "ragged":
+        parallel_config = dataclasses.replace(parallel_config, expert_dispatch="capacity")
     graphdef, state, shardings = abstract_state(config.model, make_optimizer(config.optimizer, config.train.steps), mesh)
     batch = abstract_batch(config, mesh)
     with jax.set_mesh(mesh):
         step = make_train_step(TrainState(graphdef, state, shardings), mesh, chunk_size=config.model.loss_chunk_size,
                                accum_steps=config.train.grad_accum_steps,
-                               plan=attention_plan(config.parallel, mesh.shape))
+                               plan=attention_plan(parallel_config, mesh.shape, platform))
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else None)
         seconds = time.perf_counter() - start

@@ -50,7 +50,8 @@ class MetricsLogger:
         self.file.flush()
         for key, value in values.items():
             self.tensorboard.add_scalar(key, value, step)
-        self.progress.update(self.task, completed=step, status=_status(values, ("loss", "tokens_per_sec", "mfu")))
+        self.progress.update(self.task, completed=step,
+                             status=_status(values, ("loss", "tokens_per_sec", "mfu", "expert_dropped")))
         if not self.live:
             print(f"step {step:>6} {_status(values, FORMATS)}", file=sys.stderr, flush=True)
         elif "eval_loss" in values:
@@ -73,9 +74,11 @@ class MetricsLogger:
 
 
 FORMATS = {"loss": ("loss", ".4f"), "eval_loss": ("eval", ".4f"), "tokens_per_sec": ("tok/s", ",.0f"),
-           "mfu": ("MFU", ".1%"), "learning_rate": ("lr", ".2e")}
+           "mfu": ("MFU", ".1%"), "learning_rate": ("lr", ".2e"), "expert_dropped": ("dropped", ".2%")}
+WHEN_NONZERO = {"expert_dropped"}  # shown only when not zero
 
 
 def _status(values: dict, keys) -> str:
     """'loss 2.3100  tok/s 2,900 ...' for those of `keys` present in `values`."""
-    return "  ".join(f"{FORMATS[k][0]} {values[k]:{FORMATS[k][1]}}" for k in keys if k in values)
+    return "  ".join(f"{FORMATS[k][0]} {values[k]:{FORMATS[k][1]}}" for k in keys
+                     if k in values and (values[k] or k not in WHEN_NONZERO))

@@ -16,7 +16,7 @@ def generate(train_state, mesh, tokenizer, prompt: str, *, max_new_tokens: int, 
     """Continues `prompt` by up to `max_new_tokens` tokens (stops at EOS); returns the new text."""
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
     length = len(ids) + max_new_tokens
-    rows = mesh.shape["data"] * mesh.shape["fsdp"]  # the batch axis must split over these
+    rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]  # the batch axis must split over these
     graphdef = train_state.graphdef
 
     @jax.jit

@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from layers.mlp import SwiGLU
-from layers.moe import MoE, RouterBias, load_imbalance, update_router_bias
+from layers.moe import MoE, RouterBias, expert_swiglu, load_imbalance, update_router_bias
+from parallel import routed_experts
 
 EMBED, MLP, EXPERTS = 16, 8, 8
 
@@ -73,13 +74,14 @@ def test_equals_dense_reference(num_shared, n_group, topk_group, k, norm, score)
                router_score=score)
     moe.bias[...] = 0.1 * jax.random.normal(jax.random.key(2), (EXPERTS,))
     x = jax.random.normal(jax.random.key(1), (2, 16, EMBED))
-    y, counts = nnx.jit(lambda m, x: m(x))(moe, x)
+    y, stats = nnx.jit(lambda m, x: m(x))(moe, x)
+    counts = stats["counts"]
     expected, expected_counts = reference_moe(moe, x, k=k, n_group=n_group, topk_group=topk_group,
                                               norm_topk_prob=norm, scale=2.5, score=score)
     assert y.shape == x.shape and y.dtype == jnp.float32 and counts.dtype == jnp.float32
     assert rel_err(y, expected) <= 1e-5
     np.testing.assert_array_equal(np.asarray(counts), expected_counts)
-    assert float(counts.sum()) == 2 * 16 * k
+    assert float(counts.sum()) == 2 * 16 * k and float(stats["dropped"]) == 0  # one device: dropless
 
 
 def test_annotations_shapes_and_dtype():
@@ -92,8 +94,8 @@ def test_annotations_shapes_and_dtype():
     assert moe.experts_down.get_metadata()["out_sharding"] == ("experts", "mlp", "embed")
     assert isinstance(moe.shared, SwiGLU) and moe.shared.up[...].shape == (EMBED, 2 * MLP)
     assert make(num_shared=0).shared is None
-    y, counts = nnx.jit(lambda m, x: m(x))(moe, jnp.ones((1, 4, EMBED)))
-    assert y.dtype == jnp.bfloat16 and counts.dtype == jnp.float32 and moe.experts_up[...].dtype == jnp.float32
+    y, stats = nnx.jit(lambda m, x: m(x))(moe, jnp.ones((1, 4, EMBED)))
+    assert y.dtype == jnp.bfloat16 and stats["counts"].dtype == stats["dropped"].dtype == jnp.float32 and moe.experts_up[...].dtype == jnp.float32
 
 
 def routed(logits, bias=None, **kwargs):
@@ -161,19 +163,23 @@ def test_norm_topk_prob_and_routed_scaling_factor():
                                rtol=1e-6)
 
 
-def test_ragged_dot_equals_per_expert_loop():
+def test_dropless_experts_equal_per_expert_loop():
     moe = make(num_shared=0, k=3)
     tokens = jax.random.normal(jax.random.key(3), (12, EMBED))
     # Unbalanced assignments: experts 1 and 5 get nothing, expert 0 most.
     experts = jnp.asarray(np.random.default_rng(2).choice([0, 0, 0, 2, 3, 4, 6, 7], size=(12, 3)), jnp.int32)
     weights = jax.random.uniform(jax.random.key(4), (12, 3))
-    y, counts = nnx.jit(lambda m, *args: m.routed_experts(*args))(moe, tokens, weights, experts)
+    kernels = (moe.experts_gate[...], moe.experts_up[...], moe.experts_down[...])
+    y, counts, dropped = jax.jit(lambda t: routed_experts(t[None], lambda _: (weights, experts), (), expert_swiglu,
+                                                          kernels, num_experts=EXPERTS, capacity_factor=1.0))(tokens)
+    y = y[0]
     expected = jnp.zeros_like(tokens)
     for e in range(EXPERTS):
         out = jax.nn.silu(tokens @ moe.experts_gate[e]) * (tokens @ moe.experts_up[e]) @ moe.experts_down[e]
         expected += jnp.sum(jnp.where(experts == e, weights, 0.0), -1, keepdims=True) * out
     assert rel_err(y, np.asarray(expected, np.float64)) <= 1e-5
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(experts).ravel(), minlength=EXPERTS))
+    assert float(dropped) == 0
 
 
 def test_update_router_bias_and_load_imbalance():
@@ -210,6 +216,7 @@ def test_gradients_reach_params_but_not_the_router_bias():
     (dict(n_group=8, topk_group=1), "at least 2 experts per group"),
     (dict(num_shared=-1), "num_shared_experts=-1"),
     (dict(router_score="tanh"), "router_score='tanh' must be one of sigmoid, softmax"),
+    (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
 ])
 def test_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

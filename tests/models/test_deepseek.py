@@ -33,6 +33,7 @@ def test_logits_and_expert_loads():
     moe_layers = TINY.num_layers - TINY.first_dense_layers
     assert aux["expert_counts"].shape == (moe_layers, TINY.num_experts)
     np.testing.assert_array_equal(aux["expert_counts"].sum(-1), 2 * 32 * TINY.experts_per_token)
+    np.testing.assert_array_equal(aux["expert_dropped"], np.zeros(moe_layers))
 
 
 def test_all_dense_without_experts():
@@ -44,12 +45,13 @@ def test_all_dense_without_experts():
 def test_balance_raises_the_bias_of_under_loaded_experts():
     model = models.build(TINY, rngs=nnx.Rngs(0))
     counts = jnp.asarray([[10.0, 0, 0, 0, 0, 0, 0, 6]] * 2)
-    metrics = model.balance({"expert_counts": counts})
+    metrics = model.balance({"expert_counts": counts, "expert_dropped": jnp.asarray([2.0, 0.0])})
     bias = np.asarray(model.moe_layers.mlp.bias[...])
     rate = TINY.router_bias_rate
     np.testing.assert_allclose(bias[:, 0], -rate)
     np.testing.assert_allclose(bias[:, 1], rate)
     np.testing.assert_allclose(float(metrics["expert_imbalance"]), 10.0 / 2.0)
+    np.testing.assert_allclose(float(metrics["expert_dropped"]), 2.0 / 32.0)
 
 
 def test_router_bias_is_not_a_parameter():

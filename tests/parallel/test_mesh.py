@@ -45,7 +45,10 @@ def test_length_shards_over_context_then_ulysses():
 
 def test_experts_shard_over_expert_which_also_splits_the_batch():
     mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=2))
-    assert logical_spec(("experts", "embed", "mlp"), mesh) == PartitionSpec("expert", "fsdp", "tensor")
+    # experts over expert, then over the sequence axes that still divide them (expert parallelism)
+    assert logical_spec(("experts", "embed", "mlp"), mesh, (8, 16, 16)) == PartitionSpec(("expert", "tensor"), "fsdp",
+                                                                                       None)
+    assert logical_spec(("experts", "embed", "mlp"), mesh, (2, 16, 16)) == PartitionSpec("expert", "fsdp", "tensor")
     assert logical_spec(("batch", "length"), mesh) == PartitionSpec(("fsdp", "expert"), None)
     with pytest.raises(MeshError, match="data x fsdp x expert = 4"):
         check_batch(6, 1, mesh)

@@ -57,6 +57,8 @@ def test_softmax_router_needs_a_frozen_bias():
         load_config(v2_lite, ["model.router_bias_rate=0.001"])
     with pytest.raises(ConfigError, match="model.router_score='tanh' is not allowed"):
         load_config(v2_lite, ["model.router_score=tanh"])
+    with pytest.raises(ConfigError, match="model.expert_capacity_factor=0.0 must be > 0"):
+        load_config(v2_lite, ["model.expert_capacity_factor=0"])
 
 
 def test_llama_configs_have_expected_fields():
@@ -82,6 +84,8 @@ def test_llama_configs_have_expected_fields():
     (["parallel.stripe=0"], ["parallel.stripe=0", ">= 1"]),
     (["parallel.block_kv=0"], ["parallel.block_kv=0", ">= 1"]),
     (["parallel.load_balance=maybe"], ["parallel.load_balance", "bool"]),
+    (["parallel.expert_dispatch=dense"], ["parallel.expert_dispatch", "'dense'", "capacity", "ragged", "auto"]),
+    (["parallel.expert_chunk_size=-1"], ["parallel.expert_chunk_size=-1", ">= 0"]),
     (["mesh.ulysses=0"], ["mesh.ulysses=0", ">= 1 or -1"]),
     (["mesh.context=2"], ["mesh.context=2", "parallel.context_strategy=none", "ring"]),
     (["mesh.context=2", "mesh.ulysses=2", "parallel.context_strategy=ring"], ["mesh.ulysses=2", "usp"]),

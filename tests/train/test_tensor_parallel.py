@@ -21,8 +21,9 @@ LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_
                     dtype="float32", remat_policy="none")
 DEEPSEEK = ModelConfig(family="deepseek", vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=4,
                        head_dim=24, mlp_dim=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
-                       qk_rope_head_dim=8, v_head_dim=16, num_experts=4, experts_per_token=2, moe_mlp_dim=16,
-                       num_shared_experts=1, first_dense_layers=1, dtype="float32", remat_policy="none")
+                       qk_rope_head_dim=8, v_head_dim=16, num_experts=8, experts_per_token=2, moe_mlp_dim=16,
+                       num_shared_experts=1, first_dense_layers=1, dtype="float32", remat_policy="none",
+                       expert_capacity_factor=4.0)  # num_experts / experts_per_token: expert parallelism drops nothing
 RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8)
 PLAIN = ParallelConfig(block_q=8, block_kv=8)
 
@@ -45,10 +46,10 @@ def references():
 @pytest.mark.parametrize("model, mesh_config, parallel_config", [
     (LLAMA, MeshConfig(fsdp=2, tensor=4), PLAIN),  # 2 key/value heads repeated for 4 tensor ranks
     (LLAMA, MeshConfig(fsdp=2, tensor=4), ParallelConfig(block_q=8, block_kv=8, scatter_residual=False)),
-    (DEEPSEEK, MeshConfig(fsdp=1, expert=2, tensor=4), PLAIN),
-    (DEEPSEEK, MeshConfig(fsdp=2, context=2, tensor=2), RING),
+    (DEEPSEEK, MeshConfig(fsdp=1, expert=2, context=4), RING),  # experts over expert x context
+    (DEEPSEEK, MeshConfig(fsdp=1, context=2, tensor=4), RING),  # experts over context x tensor (scattered)
 ], ids=["llama-tensor4-fsdp2", "llama-tensor4-fsdp2-all_reduce",
-        "deepseek-tensor4-expert2", "deepseek-tensor2-context2-fsdp2"])
+        "deepseek-expert2-context4", "deepseek-context2-tensor4"])
 def test_tensor_parallel_step_equals_one_device(references, model, mesh_config, parallel_config):
     host_state, reference = references(model)
     assert_same_step(first_step(host_state, model, mesh_config, parallel_config, jax.devices()), reference)

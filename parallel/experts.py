@@ -1,0 +1,242 @@
+"""Expert parallelism: the routed experts of a mixture-of-experts block inside one shard_map over the whole mesh.
+
+Tokens stay where the residual stream has them. Each device routes its own tokens, sends every (token, expert)
+assignment to the device that holds the expert with one all-to-all over the expert-parallel axes, runs its local
+experts, and gets the results back with a second all-to-all: nothing gathers all tokens or all experts, and no
+sort spans more than one device's tokens.
+
+Expert-parallel axes: `expert`, then `context`, `ulysses` and `tensor` while the product of their sizes divides
+the number of experts (the rule that shards the kernels' `experts` dimension, parallel/mesh.py). Every other axis
+the tokens are split over (data, fsdp, a sequence axis that does not divide) is data parallelism for the experts:
+their kernels are gathered over it, as FSDP gathers any layer. Where the residual stream is replicated (`tensor`
+without scattering), each copy takes its share of the length and the outputs are all-gathered at the end.
+
+Dispatch (plan.expert_dispatch):
+- `capacity` (every backend): per (source device, expert) a buffer of C = ceil(factor x tokens x k / experts)
+  rows, one tiled all-to-all there and one back, the local experts as batched einsums. Assignments past C, in
+  (token, k) order, are dropped (weight zero) and counted.
+- `ragged` (GPU/TPU): the routed rows themselves, one slice per expert, by `ragged_all_to_all` into a receive
+  buffer of ceil(factor x tokens x k) rows grouped by expert, and `ragged_dot` over the local experts. Rows that do
+  not fit, last experts' last sources first, are dropped and counted. XLA:CPU cannot compile it.
+Without expert-parallel axes (one device, or none divides the experts), every device runs all experts on its own
+tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens pass through in chunks of at most plan.expert_chunk tokens (a scan with remat), so
+the dispatch scratch does not grow with the local sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from parallel import plan as plans
+from parallel.mesh import logical_spec
+from parallel.tensor import residual_spec
+
+DISPATCHES = ("capacity", "ragged")
+Route = Callable[..., tuple[jax.Array, jax.Array]]  # (tokens [n, embed], *params) -> (weights [n, k], experts [n, k])
+Ffn = Callable[..., jax.Array]  # (rows, *kernels, group_sizes=None) -> rows, see `routed_experts`
+
+
+def expert_axes(mesh, num_experts: int) -> tuple[str, ...]:
+    """The expert-parallel mesh axes: those the `experts` dimension of an expert kernel is sharded over."""
+    return _axes(logical_spec(("experts",), mesh, (num_experts,))[0])
+
+
+def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
+    """Rows per (source device, expert) of the capacity dispatch: ceil(factor x tokens x k / experts)."""
+    return max(1, math.ceil(factor * tokens * k / num_experts))
+
+
+def receive_rows(tokens: int, k: int, factor: float) -> int:
+    """Receive-buffer rows per device of the ragged dispatch: ceil(factor x tokens x k), factor x the balanced load."""
+    return max(1, math.ceil(factor * tokens * k))
+
+
+def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, kernels, *, num_experts: int,
+                   capacity_factor: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Routed experts of the tokens x [batch, length, embed] (residual stream layout).
+
+    route(tokens [n, embed], *route_params) -> (weights [n, k] float32, experts [n, k] int32) runs on each device's
+    tokens; ffn(rows [experts, rows, embed], *kernels) -> the same shape runs the experts batched, and
+    ffn(rows [rows, embed], *kernels, group_sizes=[experts]) grouped; kernels: [num_experts, ...] arrays.
+    -> (y [batch, length, embed] in x's dtype and layout, routed assignments per expert [experts] float32 and
+    dropped assignments float32, both summed over every device)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    plan = plans.current()
+    if plan.expert_dispatch not in DISPATCHES:
+        raise ValueError(f"expert dispatch {plan.expert_dispatch!r} is unknown; available: {', '.join(DISPATCHES)}")
+    layout = _token_layout(mesh, x.shape)
+    if layout is None:  # one device, or a shape that does not split (e.g. a sampled prompt): placed by the partitioner
+        tokens = x.reshape(-1, x.shape[-1])
+        y, counts, dropped = _chunked(tokens, plan.expert_chunk,
+                                      lambda t: _dropless(t, route(t, *route_params), ffn, kernels, num_experts))
+        return y.reshape(x.shape), counts.astype(jnp.float32), dropped.astype(jnp.float32)
+    spec, token_axes, replicated = layout
+    shares = math.prod(mesh.shape[a] for a in replicated)
+    axes = expert_axes(mesh, num_experts)
+    dispatch = {"capacity": _capacity, "ragged": _ragged}[plan.expert_dispatch]
+    out_spec = PartitionSpec(spec[0], (*_axes(spec[1]), *replicated) or None, *spec[2:])  # the copies, split
+
+    def local(x, route_params, kernels):
+        if replicated:  # each copy takes its share of the length; the partitioner gathers the outputs
+            share = x.shape[1] // shares
+            x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(replicated) * share, share, axis=1)
+        tokens = x.reshape(-1, x.shape[-1])
+
+        def one_chunk(t):
+            assignment = route(t, *route_params)
+            if not axes:
+                return _dropless(t, assignment, ffn, kernels, num_experts)
+            return dispatch(t, assignment, ffn, kernels, num_experts, capacity_factor, axes)
+
+        y, counts, dropped = _chunked(tokens, plan.expert_chunk, one_chunk)
+        counts, dropped = jax.lax.psum((counts, dropped), token_axes + replicated)
+        return y.reshape(x.shape), counts.astype(jnp.float32), dropped.astype(jnp.float32)
+
+    specs = (spec, PartitionSpec(), PartitionSpec(axes or None))
+    y, counts, dropped = jax.shard_map(local, mesh=mesh, in_specs=specs, check_vma=True,
+                                       out_specs=(out_spec, PartitionSpec(), PartitionSpec()))(
+        x, tuple(route_params), tuple(kernels))
+    return jax.lax.with_sharding_constraint(y, spec), counts, dropped
+
+
+def _token_layout(mesh, shape):
+    """(residual stream spec, mesh axes that split the tokens, mesh axes that hold copies of them) for x [batch,
+    length, embed] of `shape` on a mesh of several devices, when its batch splits over the batch axes and its length
+    over the length axes and the copies; else None."""
+    if mesh.empty or mesh.size == 1:
+        return None
+    spec = residual_spec()
+    token_axes = tuple(a for entry in spec for a in _axes(entry))
+    replicated = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in token_axes)
+    batch_parts = math.prod(mesh.shape[a] for a in _axes(spec[0]))
+    length_parts = math.prod(mesh.shape[a] for a in _axes(spec[1]) + replicated)
+    return None if shape[0] % batch_parts or shape[1] % length_parts else (spec, token_axes, replicated)
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """Mesh axes of one PartitionSpec entry."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _chunked(tokens, chunk: int, run):
+    """run(tokens [m, embed]) -> (y [m, embed], counts [experts], dropped []) over chunks of at most `chunk` tokens
+    (0 = all at once): a scan whose steps are rematerialised in the backward pass; counts and drops are summed."""
+    n = tokens.shape[0]
+    pieces = next(p for p in range(-(-n // chunk) if chunk else 1, n + 1) if n % p == 0)
+    if pieces == 1:
+        return run(tokens)
+
+    def step(_, piece):
+        return None, run(piece)
+
+    _, (y, counts, dropped) = jax.lax.scan(jax.checkpoint(step), None, tokens.reshape(pieces, n // pieces, -1))
+    return y.reshape(tokens.shape), counts.sum(0), dropped.sum(0)
+
+
+def _combine(rows: jax.Array, index: jax.Array, weights: jax.Array, dtype) -> jax.Array:
+    """sum_j weights[:, j] x rows[index[:, j]] accumulated in float32, one [tokens, embed] term at a time (no
+    float32 [tokens x k, embed] buffer); an index past the rows (a dropped assignment) contributes zero.
+    rows [m, embed], index / weights [tokens, k] -> [tokens, embed] in `dtype`."""
+    y = jnp.zeros((index.shape[0], rows.shape[-1]), jnp.float32)
+    for j in range(index.shape[1]):
+        picked = jnp.take(rows, index[:, j], axis=0, mode="fill", fill_value=0)
+        y = y + weights[:, j, None] * picked.astype(jnp.float32)
+    return y.astype(dtype)
+
+
+def _sort_by_expert(experts: jax.Array, num_experts: int):
+    """experts [n, k] -> (order [n * k]: assignments sorted by expert, stable; position of each assignment in that
+    order [n * k]; assignments per expert [experts] int32)."""
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    position = jnp.zeros_like(order).at[order].set(jnp.arange(flat.size, dtype=order.dtype), unique_indices=True)
+    return order, position, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def _dropless(tokens, assignment, ffn, kernels, num_experts):
+    """All experts on the local tokens [n, embed], every assignment kept: rows sorted by expert, grouped ffn."""
+    weights, experts = assignment
+    n, k = experts.shape
+    order, position, counts = _sort_by_expert(experts, num_experts)
+    out = ffn(jnp.take(tokens, order // k, axis=0), *kernels, group_sizes=counts)
+    return _combine(out, position.reshape(n, k), weights, tokens.dtype), counts, jnp.zeros((), jnp.int32)
+
+
+def _capacity(tokens, assignment, ffn, kernels, num_experts, factor, axes):
+    """Capacity dispatch of the local tokens [n, embed] to the experts over mesh `axes` (see the module doc)."""
+    weights, experts = assignment
+    n, k = experts.shape
+    d = tokens.shape[-1]
+    cap = capacity(n, k, num_experts, factor)
+    flat = experts.reshape(-1)
+    _, position, counts = _sort_by_expert(experts, num_experts)
+    rank = position - (jnp.cumsum(counts) - counts)[flat]  # place among the same expert's assignments
+    slot = jnp.where(rank < cap, flat * cap + rank, num_experts * cap)  # past the buffer = dropped
+    filler = jnp.full((num_experts * cap,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32),
+                                                                           mode="drop")
+    buffer = jnp.take(tokens, filler // k, axis=0, mode="fill", fill_value=0)  # [experts x cap, embed]
+    ep = jax.lax.axis_size(axes)
+    local = num_experts // ep
+    received = jax.lax.all_to_all(buffer.reshape(ep, local, cap, d), axes, 0, 0, tiled=True)  # [source, ...]
+    out = ffn(received.swapaxes(0, 1).reshape(local, ep * cap, d), *kernels)
+    out = jax.lax.all_to_all(out.reshape(local, ep, cap, d).swapaxes(0, 1), axes, 0, 0, tiled=True)
+    y = _combine(out.reshape(num_experts * cap, d), slot.reshape(n, k), weights, tokens.dtype)
+    return y, counts, jnp.sum(rank >= cap)
+
+
+class RaggedLayout(NamedTuple):
+    """Arguments of the two `ragged_all_to_all`s of one device (see `ragged_layout`)."""
+
+    send_offsets: jax.Array  # [experts]: where each expert's rows start in this device's sorted rows
+    send_sizes: jax.Array  # [experts]: rows sent to each expert (its device) after overflow
+    remote_offsets: jax.Array  # [experts]: where they land in that device's receive buffer
+    recv_sizes: jax.Array  # [devices x local experts]: rows received from (source, local expert)
+    recv_offsets: jax.Array  # [devices x local experts]: where those rows sit in the receive buffer
+    home_offsets: jax.Array  # [devices x local experts]: where they came from in the source's sorted rows
+    group_sizes: jax.Array  # [local experts]: received rows per local expert, contiguous from row 0
+
+
+def ragged_layout(table: jax.Array, me, rows: int) -> RaggedLayout:
+    """Offsets and sizes of the ragged dispatch for device `me` (an index over the expert-parallel devices).
+
+    table [devices, experts]: assignments per (source device, expert), the same on every device. A device's
+    receive buffer holds `rows` rows ordered by (local expert, source device); what lies past `rows` is dropped."""
+    devices, num_experts = table.shape
+    local = num_experts // devices
+    per_device = table.sum(0).reshape(devices, local)
+    expert_start = (jnp.cumsum(per_device, axis=1) - per_device).reshape(num_experts)
+    landing = expert_start[None] + jnp.cumsum(table, axis=0) - table  # [source, expert] in the expert's device
+    allowed = jnp.clip(rows - landing, 0, table)
+    sorted_start = jnp.cumsum(table, axis=1) - table  # [source, expert] in the source's sorted rows
+
+    def mine(a):  # [source, expert] -> [source x local expert] of the experts on device `me`
+        return jax.lax.dynamic_slice_in_dim(a, me * local, local, axis=1).reshape(-1)
+
+    return RaggedLayout(send_offsets=sorted_start[me], send_sizes=allowed[me], remote_offsets=landing[me],
+                        recv_sizes=mine(allowed), recv_offsets=mine(landing), home_offsets=mine(sorted_start),
+                        group_sizes=mine(allowed).reshape(devices, local).sum(0))
+
+
+def _ragged(tokens, assignment, ffn, kernels, num_experts, factor, axes):
+    """Ragged dispatch of the local tokens [n, embed] to the experts over mesh `axes` (see the module doc)."""
+    weights, experts = assignment
+    n, k = experts.shape
+    d = tokens.shape[-1]
+    order, position, counts = _sort_by_expert(experts, num_experts)
+    table = jax.lax.all_gather(counts, axes)  # [devices, experts]
+    rows = receive_rows(n, k, factor)
+    layout = ragged_layout(table, jax.lax.axis_index(axes), rows)
+    sent = jnp.take(tokens, order // k, axis=0)  # [n * k, embed] sorted by expert, so by device
+    received = jax.lax.ragged_all_to_all(sent, jnp.zeros((rows, d), sent.dtype), layout.send_offsets,
+                                         layout.send_sizes, layout.remote_offsets, layout.recv_sizes, axis_name=axes)
+    out = ffn(received, *kernels, group_sizes=layout.group_sizes)
+    out = jnp.where(jnp.arange(rows)[:, None] < layout.group_sizes.sum(), out, 0)  # rows past the groups: padding
+    back = jax.lax.ragged_all_to_all(out, jnp.zeros_like(sent), layout.recv_offsets, layout.recv_sizes,
+                                     layout.home_offsets, layout.send_sizes, axis_name=axes)
+    y = _combine(back, position.reshape(n, k), weights, tokens.dtype)  # dropped rows came back as zeros
+    return y, counts, jnp.sum(counts - layout.send_sizes)
