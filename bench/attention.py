@@ -3,7 +3,7 @@ what block skipping saves on packed rows.
 
 1. Kernel against dense: forward+backward (value and grad of the output's sum w.r.t. q, k, v) of the kernel
    (causal, block 512), `jax.nn.dot_product_attention(implementation="xla", is_causal=True)` and the repo's
-   dense reference `parallel.dense.dense_attention`, batch 1, 4 heads x head_dim 64, float32. Each is
+   dense reference `bench/dense_attention.py`, batch 1, 4 heads x head_dim 64, float32. Each is
    compiled ahead of time; compiled temp memory comes from `memory_analysis()`. Time: every version is
    called once (warm-up), then the timed calls of the versions alternate; the time is the best timed call.
    A version whose warm-up call took longer than `--single-call-s` is not called again and its warm-up
@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.dense_attention import dense_attention
 from bench.report import ratio
 from parallel import blockwise
-from parallel.dense import dense_attention
 from parallel.segments import block_summary, visible_blocks
 
 MIB, GIB = 2**20, 2**30
@@ -87,6 +87,7 @@ def random_qkv(length: int, heads: int, seed: int = 0):
 
 # ---- 1. kernel against dense ------------------------------------------------------------------------------
 
+
 def kernel_out(q, k, v):
     return blockwise.attention(q, k, v, causal=True, block_q=512, block_kv=512)[0]
 
@@ -99,8 +100,11 @@ def dense_out(q, k, v):
     return dense_attention(q, k, v, causal=True)
 
 
-IMPLEMENTATIONS = {"blockwise kernel": kernel_out, "jax.nn.dot_product_attention xla": xla_out,
-                   "dense_attention (reference)": dense_out}
+IMPLEMENTATIONS = {
+    "blockwise kernel": kernel_out,
+    "jax.nn.dot_product_attention xla": xla_out,
+    "dense_attention (reference)": dense_out,
+}
 
 
 def forward_backward(fn):
@@ -111,14 +115,19 @@ def forward_backward(fn):
 def kernel_vs_dense(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]]:
     """(markdown table, ratios: time of each timed version and temp memory at --long, against the kernel)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    lines = [f"| T | implementation | fwd+bwd (ms) | calls | time vs kernel | temp (MiB) | temp vs kernel "
-             f"| fits in {ram / GIB:.0f} GiB RAM |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| T | implementation | fwd+bwd (ms) | calls | time vs kernel | temp (MiB) | temp vs kernel "
+        f"| fits in {ram / GIB:.0f} GiB RAM |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     ratios = []
     for length in [*args.lengths, args.long]:
         timed = length != args.long
-        qkv = random_qkv(length, HEADS) if timed else (jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM),
-                                                                             jnp.float32),) * 3
+        qkv = (
+            random_qkv(length, HEADS)
+            if timed
+            else (jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM), jnp.float32),) * 3
+        )
         runs, temps, totals = [], {}, {}
         for name, fn in IMPLEMENTATIONS.items():
             compiled = forward_backward(fn).lower(*qkv).compile()
@@ -138,17 +147,25 @@ def kernel_vs_dense(args: argparse.Namespace) -> tuple[str, list[tuple[str, str,
             else:
                 time_cells = "not run | - | -"
             fits = "yes" if totals[name] < ram else "no"
-            lines.append(f"| {length:,} | {name} | {time_cells} | {temps[name] / MIB:,.1f} "
-                         f"| {temps[name] / temps['blockwise kernel']:,.1f} | {fits} |")
+            lines.append(
+                f"| {length:,} | {name} | {time_cells} | {temps[name] / MIB:,.1f} "
+                f"| {temps[name] / temps['blockwise kernel']:,.1f} | {fits} |"
+            )
             if run and run is not kernel:
                 ratios.append((f"fwd+bwd time, {name}, T={length:,}", "blockwise kernel", run.best / kernel.best))
             if length == args.long and name != "blockwise kernel":
-                ratios.append((f"compiled temp memory, {name}, T={length:,}", "blockwise kernel",
-                               temps[name] / temps["blockwise kernel"]))
+                ratios.append(
+                    (
+                        f"compiled temp memory, {name}, T={length:,}",
+                        "blockwise kernel",
+                        temps[name] / temps["blockwise kernel"],
+                    )
+                )
     return "\n".join(lines), ratios
 
 
 # ---- 2. block skipping on packed rows ---------------------------------------------------------------------
+
 
 def packed_ids(length: int, doc_len: int) -> np.ndarray:
     """[1, length] segment ids 1, 1, ..., 2, 2, ...: documents of `doc_len` tokens back to back."""
@@ -162,15 +179,18 @@ def visited_pairs(segment_ids: np.ndarray, block: int) -> int:
 
 
 def kernel_with_ids(q, k, v, seg):
-    return blockwise.attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True, block_q=PACK_BLOCK,
-                               block_kv=PACK_BLOCK)[0]
+    return blockwise.attention(
+        q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True, block_q=PACK_BLOCK, block_kv=PACK_BLOCK
+    )[0]
 
 
 def packing(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]]:
     """(markdown table, ratios: visited block pairs and time of the unpacked row against the packed one)."""
-    lines = ["| T | pass | row | documents | visited block pairs | pairs unpacked / packed | time (s) | calls "
-             "| time unpacked / packed | ms per visited pair |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| T | pass | row | documents | visited block pairs | pairs unpacked / packed | time (s) | calls "
+        "| time unpacked / packed | ms per visited pair |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     ratios = []
     forward = jax.jit(kernel_with_ids)
     fwd_bwd = jax.jit(jax.grad(lambda q, k, v, seg: jnp.sum(kernel_with_ids(q, k, v, seg)), argnums=(0, 1, 2)))
@@ -178,16 +198,20 @@ def packing(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]
         qkv = random_qkv(length, PACK_HEADS)
         rows = {"packed": packed_ids(length, args.doc_len), "unpacked": np.ones((1, length), np.int32)}
         pairs = {row: visited_pairs(ids, PACK_BLOCK) for row, ids in rows.items()}
-        runs = [Timed(row, fn.lower(*qkv, jnp.asarray(ids)).compile(), (*qkv, jnp.asarray(ids)))
-                for row, ids in rows.items()]
+        runs = [
+            Timed(row, fn.lower(*qkv, jnp.asarray(ids)).compile(), (*qkv, jnp.asarray(ids)))
+            for row, ids in rows.items()
+        ]
         time_all(runs, args.repeats, args.single_call_s)
         best = {run.name: run for run in runs}
         for row in rows:
             run = best[row]
             docs = length // args.doc_len if row == "packed" else 1
-            lines.append(f"| {length:,} | {name} | {row} | {docs} x {length // docs:,} | {pairs[row]:,} "
-                         f"| {pairs['unpacked'] / pairs[row]:.1f} | {run.best:.2f} | {run.calls} "
-                         f"| {best['unpacked'].best / run.best:.1f} | {1e3 * run.best / pairs[row]:.1f} |")
+            lines.append(
+                f"| {length:,} | {name} | {row} | {docs} x {length // docs:,} | {pairs[row]:,} "
+                f"| {pairs['unpacked'] / pairs[row]:.1f} | {run.best:.2f} | {run.calls} "
+                f"| {best['unpacked'].best / run.best:.1f} | {1e3 * run.best / pairs[row]:.1f} |"
+            )
         what = f"{name}, T={length:,}, one causal document vs {length // args.doc_len} packed documents"
         ratios.append((f"visited block pairs, {what}", "packed row", pairs["unpacked"] / pairs["packed"]))
         ratios.append((f"time, {what}", "packed row", best["unpacked"].best / best["packed"].best))
@@ -198,15 +222,27 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", choices=("dense", "packing"), help="run one of the two sections")
     parser.add_argument("--lengths", default="2048,4096,8192", help="timed lengths of section 1")
-    parser.add_argument("--long", type=int, default=131072, help="compile-only length of section 1 and the "
-                        "forward row length of section 2")
-    parser.add_argument("--dense-timed-max", type=int, default=4096,
-                        help="longest T at which dense_attention is timed (above: memory only)")
+    parser.add_argument(
+        "--long",
+        type=int,
+        default=131072,
+        help="compile-only length of section 1 and the forward row length of section 2",
+    )
+    parser.add_argument(
+        "--dense-timed-max",
+        type=int,
+        default=4096,
+        help="longest T at which dense_attention is timed (above: memory only)",
+    )
     parser.add_argument("--doc-len", type=int, default=4096, help="tokens per packed document")
     parser.add_argument("--backward-len", type=int, default=32768, help="row length of section 2's fwd+bwd")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per version after the warm-up")
-    parser.add_argument("--single-call-s", type=float, default=15.0,
-                        help="a version whose warm-up call is longer than this is timed by that call alone")
+    parser.add_argument(
+        "--single-call-s",
+        type=float,
+        default=15.0,
+        help="a version whose warm-up call is longer than this is timed by that call alone",
+    )
     parser.add_argument("--quick", action="store_true", help="--lengths 2048 --long 32768 --backward-len 8192")
     args = parser.parse_args()
     if args.quick:
@@ -225,8 +261,10 @@ def main() -> None:
         print(table)
         ratios += found
     if args.only != "dense":
-        print(f"\n## Block skipping: {args.doc_len:,}-token documents packed in one row vs one causal document, "
-              f"{PACK_HEADS} head x {HEAD_DIM}, block {PACK_BLOCK}\n")
+        print(
+            f"\n## Block skipping: {args.doc_len:,}-token documents packed in one row vs one causal document, "
+            f"{PACK_HEADS} head x {HEAD_DIM}, block {PACK_BLOCK}\n"
+        )
         table, found = packing(args)
         print(table)
         ratios += found

@@ -35,20 +35,20 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
+import argparse
+import dataclasses
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-import parallel  # noqa: E402
-from bench.report import ratio  # noqa: E402
-from parallel import blockwise  # noqa: E402
-from parallel import plan as plans  # noqa: E402
-from parallel.reorder import layout_index  # noqa: E402
-from parallel.segments import block_summary, visible_blocks  # noqa: E402
+import parallel
+from bench.report import ratio
+from parallel import blockwise
+from parallel import plan as plans
+from parallel.reorder import layout_index
+from parallel.segments import block_summary, visible_blocks
 
 MIB = 2**20
 STRATEGIES = ("ring", "all_gather", "ulysses")
@@ -56,8 +56,10 @@ STRATEGIES = ("ring", "all_gather", "ulysses")
 
 # ---- 1. ring load balance ---------------------------------------------------------------------------------
 
+
 def pairs(q_index: np.ndarray, kv_index: np.ndarray, block: int, causal: bool) -> int:
     """Block pairs the kernel visits for one document with these global query / key indices."""
+
     def summary(index):
         return block_summary(jnp.ones((1, index.shape[0]), jnp.int32), jnp.asarray(index), block)
 
@@ -87,30 +89,42 @@ def balance(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]
     """(markdown table, ratios: busiest device / mean of the ring's layout and of the unbalanced one)."""
     flops_per_pair = 4 * args.block**2 * args.heads * args.head_dim
     ideal_pairs = (args.length / args.block) ** 2 / 2
-    rows = (("dual_chunk + step table (ring)", "dual_chunk", True),
-            ("dual_chunk, kernel skipping", "dual_chunk", False),
-            ("striped (stripe 1)", "striped", False),
-            ("contiguous (unbalanced)", "contiguous", False))
-    lines = ["| cp | layout | busiest device (TFLOP) | mean (TFLOP) | busiest / mean | critical path / ideal "
-             "per device | total / ideal T²/2 |",
-             "|---|---|---|---|---|---|---|"]
+    rows = (
+        ("dual_chunk + step table (ring)", "dual_chunk", True),
+        ("dual_chunk, kernel skipping", "dual_chunk", False),
+        ("striped (stripe 1)", "striped", False),
+        ("contiguous (unbalanced)", "contiguous", False),
+    )
+    lines = [
+        "| cp | layout | busiest device (TFLOP) | mean (TFLOP) | busiest / mean | critical path / ideal "
+        "per device | total / ideal T²/2 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     ratios = []
     for cp in args.cps:
         for name, layout, table in rows:
             counts = step_pairs(args.length, cp, args.block, layout, table)
             per_device = counts.sum(0)
             critical = counts.max(1).sum()
-            lines.append(f"| {cp} | {name} | {per_device.max() * flops_per_pair / 1e12:.2f} "
-                         f"| {per_device.mean() * flops_per_pair / 1e12:.2f} "
-                         f"| {per_device.max() / per_device.mean():.3f} "
-                         f"| {critical / (ideal_pairs / cp):.3f} | {counts.sum() / ideal_pairs:.3f} |")
+            lines.append(
+                f"| {cp} | {name} | {per_device.max() * flops_per_pair / 1e12:.2f} "
+                f"| {per_device.mean() * flops_per_pair / 1e12:.2f} "
+                f"| {per_device.max() / per_device.mean():.3f} "
+                f"| {critical / (ideal_pairs / cp):.3f} | {counts.sum() / ideal_pairs:.3f} |"
+            )
             if name.startswith(("dual_chunk + step table", "contiguous")):
-                ratios.append((f"ring FLOPs of the busiest device, cp={cp}, {name}", "mean device",
-                               per_device.max() / per_device.mean()))
+                ratios.append(
+                    (
+                        f"ring FLOPs of the busiest device, cp={cp}, {name}",
+                        "mean device",
+                        per_device.max() / per_device.mean(),
+                    )
+                )
     return "\n".join(lines), ratios
 
 
 # ---- 2. per-device memory ---------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
@@ -137,17 +151,22 @@ def loss_grad(fn):
 def single_device(length: int, args: argparse.Namespace) -> Memory:
     """Strategy none (the kernel alone, no mesh) over `length` tokens."""
     shape = jax.ShapeDtypeStruct((1, length, args.heads, args.head_dim), args.dtype)
-    fn = loss_grad(lambda q, k, v: parallel.attention(q, k, v, causal=True, strategy="none",
-                                                      layout="contiguous"))
+    fn = loss_grad(lambda q, k, v: parallel.attention(q, k, v, causal=True, strategy="none", layout="contiguous"))
     return memory_of(f"none, T = {length:,}", 1, fn.lower(shape, shape, shape).compile())
 
 
 def sharded(strategy: str, cp: int, args: argparse.Namespace) -> Memory:
     mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
-    shape = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), args.dtype,
-                                 sharding=NamedSharding(mesh, PartitionSpec(None, "context", None, None)))
-    fn = loss_grad(lambda q, k, v: parallel.attention(q, k, v, causal=True, mesh=mesh, strategy=strategy,
-                                                      axis="context", layout="dual_chunk"))
+    shape = jax.ShapeDtypeStruct(
+        (1, args.length, args.heads, args.head_dim),
+        args.dtype,
+        sharding=NamedSharding(mesh, PartitionSpec(None, "context", None, None)),
+    )
+    fn = loss_grad(
+        lambda q, k, v: parallel.attention(
+            q, k, v, causal=True, mesh=mesh, strategy=strategy, axis="context", layout="dual_chunk"
+        )
+    )
     with jax.set_mesh(mesh):
         return memory_of(strategy, cp, fn.lower(shape, shape, shape).compile())
 
@@ -161,8 +180,16 @@ def all_gather_local(cp: int, args: argparse.Namespace) -> Memory:
     kv_shape = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), args.dtype)
 
     def fn(q, k, v):
-        return blockwise.attention(q, k, v, q_index=jnp.asarray(index[:n]), kv_index=jnp.asarray(index),
-                                   causal=True, block_q=args.block, block_kv=args.block)[0]
+        return blockwise.attention(
+            q,
+            k,
+            v,
+            q_index=jnp.asarray(index[:n]),
+            kv_index=jnp.asarray(index),
+            causal=True,
+            block_q=args.block,
+            block_kv=args.block,
+        )[0]
 
     return memory_of("kernel: T/cp queries x T keys", 1, loss_grad(fn).lower(q_shape, kv_shape, kv_shape).compile())
 
@@ -178,15 +205,19 @@ def memory_tables(args: argparse.Namespace) -> tuple[str, list[str], list[tuple[
     itemsize = jnp.dtype(args.dtype).itemsize
     full = args.length * args.heads * args.head_dim * itemsize  # one global q-sized tensor
     whole = single_device(args.length, args)
-    lines = ["| strategy | devices | per-device tokens | args (MiB) | output (MiB) | temp (MiB) "
-             "| temp / per-device q | temp vs none(T) | args+out+temp vs none(T) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| strategy | devices | per-device tokens | args (MiB) | output (MiB) | temp (MiB) "
+        "| temp / per-device q | temp vs none(T) | args+out+temp vs none(T) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def row(m: Memory, tokens: int) -> None:
         unit = tokens * args.heads * args.head_dim * itemsize
-        lines.append(f"| {m.name} | {m.devices} | {tokens:,} | {m.argument / MIB:,.1f} | {m.output / MIB:,.1f} "
-                     f"| {m.temp / MIB:,.1f} | {m.temp / unit:.2f} | {m.temp / whole.temp:.3f} "
-                     f"| {m.total / whole.total:.3f} |")
+        lines.append(
+            f"| {m.name} | {m.devices} | {tokens:,} | {m.argument / MIB:,.1f} | {m.output / MIB:,.1f} "
+            f"| {m.temp / MIB:,.1f} | {m.temp / unit:.2f} | {m.temp / whole.temp:.3f} "
+            f"| {m.total / whole.total:.3f} |"
+        )
 
     notes, ratios = [], []
     row(whole, args.length)
@@ -197,8 +228,13 @@ def memory_tables(args: argparse.Namespace) -> tuple[str, list[str], list[tuple[
         results = {strategy: sharded(strategy, cp, args) for strategy in STRATEGIES}
         for strategy, result in results.items():
             row(result, n)
-            ratios.append((f"per-device args+output+temp, {strategy}, cp={cp}", f"none, one device, T={args.length:,}",
-                           result.total / whole.total))
+            ratios.append(
+                (
+                    f"per-device args+output+temp, {strategy}, cp={cp}",
+                    f"none, one device, T={args.length:,}",
+                    result.total / whole.total,
+                )
+            )
         local = all_gather_local(cp, args)
         # kernel temp = slope * T + intercept from the two single-device compiles; the intercept is the
         # block-sized term
@@ -212,12 +248,14 @@ def memory_tables(args: argparse.Namespace) -> tuple[str, list[str], list[tuple[
             f"{full / MIB:,.1f} MiB (global q, k, v) / {cp}: {'per device' if per_device else 'NOT per device'}. "
             f"all_gather per device args+out+temp {results['all_gather'].total / MIB:,.1f} MiB vs "
             f"{local.total / MIB:,.1f} MiB for the same local work compiled on one device "
-            f"(temp {local.temp / MIB:,.1f} MiB), ratio {results['all_gather'].total / local.total:.2f}, not {cp}.")
+            f"(temp {local.temp / MIB:,.1f} MiB), ratio {results['all_gather'].total / local.total:.2f}, not {cp}."
+        )
         notes.append(
             f"- cp={cp}: ring temp {ring / MIB:,.1f} MiB vs target none(T) temp / cp + block term = "
             f"{whole.temp / MIB:,.1f} / {cp} + {intercept / MIB:,.1f} = {target / MIB:,.1f} MiB "
             f"(block term: intercept of the single-device temp fitted at T/cp and T): "
-            f"{'met' if ring <= target else f'missed by {ring / target:.1f}x'}.")
+            f"{'met' if ring <= target else f'missed by {ring / target:.1f}x'}."
+        )
     return "\n".join(lines), notes, ratios
 
 
@@ -241,8 +279,10 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    print(f"device: {jax.device_count()} x {jax.devices()[0].device_kind} (simulated); causal, batch 1, "
-          f"T = {args.length:,}, {args.heads} heads x {args.head_dim}, block {args.block}")
+    print(
+        f"device: {jax.device_count()} x {jax.devices()[0].device_kind} (simulated); causal, batch 1, "
+        f"T = {args.length:,}, {args.heads} heads x {args.head_dim}, block {args.block}"
+    )
     ratios = []
     if args.only != "memory":
         print("\n## Ring load balance (forward FLOPs over all ring steps, counted from visible block pairs)\n")
@@ -250,8 +290,7 @@ def main() -> None:
         print(table)
         ratios += found
     if args.only != "balance":
-        print(f"\n## Per-device memory, forward+backward, {args.dtype.name}, dual_chunk layout "
-              f"(compiled, not run)\n")
+        print(f"\n## Per-device memory, forward+backward, {args.dtype.name}, dual_chunk layout (compiled, not run)\n")
         table, notes, found = memory(args)
         print(table)
         print()

@@ -5,7 +5,7 @@ A random LlamaForCausalLM (fp32, 351 MB by default) is made with transformers an
 --shard-mb. Each step then runs in a fresh interpreter and reports its peak resident memory (getrusage
 ru_maxrss); the table gives each peak minus that of `baseline`, which imports the same modules and starts JAX.
 Steps: `load` = load_pretrained; `load + save` = load_pretrained then save_pretrained in shards of the same
-limit; `cli import` = `python -m models.hf import` (load + orbax save); `cli export` = `python -m models.hf
+limit; `cli import` = `python -m train.hf import` (load + orbax save); `cli export` = `python -m train.hf
 export` of that import (orbax restore + save_pretrained).
 
     PYTHONPATH=. .venv/bin/python bench/hf_memory.py [--layers 12] [--shard-mb 100]
@@ -36,8 +36,15 @@ def make_model(path: pathlib.Path, layers: int, shard_bytes: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=8000, hidden_size=768, intermediate_size=2048, num_hidden_layers=layers,
-                         num_attention_heads=12, num_key_value_heads=4, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=8000,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=layers,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    )
     LlamaForCausalLM(config).save_pretrained(path, max_shard_size=shard_bytes)
 
 
@@ -50,7 +57,7 @@ def child(step: str, work: pathlib.Path, shard_bytes: int, layers: int) -> None:
     import jax.numpy as jnp
 
     from models.hf import load_pretrained, save_pretrained
-    from models.hf.cli import export_checkpoint, import_checkpoint
+    from train.hf import export_checkpoint, import_checkpoint
 
     jnp.zeros(1).block_until_ready()
     if step == "load":
@@ -68,8 +75,13 @@ def in_subprocess(step: str, work: pathlib.Path, shard_bytes: int, layers: int) 
     """Runs `child(step, ...)` in a fresh interpreter and returns its peak RSS. This process stays small: a
     child's ru_maxrss starts from the memory of the process that spawned it."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(pathlib.Path(__file__).resolve().parents[1]))
-    out = subprocess.run([sys.executable, __file__, "--child", step, str(work), str(shard_bytes), str(layers)],
-                         env=env, check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", step, str(work), str(shard_bytes), str(layers)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_mib"] if step != "make" else None
 
 
@@ -78,8 +90,12 @@ def sizes(path: pathlib.Path) -> tuple[float, float, float, int]:
     from models.hf.reader import SafetensorsFile
 
     shards = sorted(path.glob("*.safetensors"))
-    tensor = max(end - begin for file in shards for entry in SafetensorsFile(file).header.values()
-                 for begin, end in [entry["data_offsets"]])
+    tensor = max(
+        end - begin
+        for file in shards
+        for entry in SafetensorsFile(file).header.values()
+        for begin, end in [entry["data_offsets"]]
+    )
     bytes_ = [file.stat().st_size for file in shards]
     return sum(bytes_) / MIB, max(bytes_) / MIB, tensor / MIB, len(shards)
 
@@ -106,16 +122,22 @@ def main() -> None:
         model, shard, tensor, count = sizes(work / "hf")
         peaks = {step: in_subprocess(step, work, shard_bytes, args.layers) for step in STEPS}
         _, exported_shard, _, exported_count = sizes(work / "exported")
-    print(f"model {model:.1f} MiB in {count} shards (largest shard {shard:.1f} MiB, largest tensor {tensor:.1f} "
-          f"MiB); export wrote {exported_count} shards (largest {exported_shard:.1f} MiB); baseline peak "
-          f"{peaks['baseline']:.1f} MiB\n")
-    print("| step | peak RSS (MiB) | above baseline (MiB) | above / model | (above - model) / largest shard "
-          "| (above - model) / largest tensor |")
+    print(
+        f"model {model:.1f} MiB in {count} shards (largest shard {shard:.1f} MiB, largest tensor {tensor:.1f} "
+        f"MiB); export wrote {exported_count} shards (largest {exported_shard:.1f} MiB); baseline peak "
+        f"{peaks['baseline']:.1f} MiB\n"
+    )
+    print(
+        "| step | peak RSS (MiB) | above baseline (MiB) | above / model | (above - model) / largest shard "
+        "| (above - model) / largest tensor |"
+    )
     print("|---|---|---|---|---|---|")
     for step in STEPS[1:]:
         above = peaks[step] - peaks["baseline"]
-        print(f"| {step} | {peaks[step]:.1f} | {above:.1f} | {above / model:.2f} | {(above - model) / shard:.2f} "
-              f"| {(above - model) / tensor:.2f} |")
+        print(
+            f"| {step} | {peaks[step]:.1f} | {above:.1f} | {above / model:.2f} | {(above - model) / shard:.2f} "
+            f"| {(above - model) / tensor:.2f} |"
+        )
     for step in STEPS[1:]:
         above = peaks[step] - peaks["baseline"]
         ratio(f"peak RSS above baseline, {step}, {args.layers} layers", "model size", above / model)

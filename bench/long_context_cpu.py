@@ -16,44 +16,69 @@ import os
 
 # 8 simulated devices share a few cores, so one device can reach a ring transfer minutes after the others:
 # no "may be stuck" warnings or termination for waits that long.
-os.environ["XLA_FLAGS"] = " ".join([
-    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-    "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1800",
-    "--xla_cpu_collective_call_terminate_timeout_seconds=7200", "--xla_cpu_collective_timeout_seconds=7200"]).strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count=8",
+        "--xla_cpu_collective_call_warn_stuck_timeout_seconds=1800",
+        "--xla_cpu_collective_call_terminate_timeout_seconds=7200",
+        "--xla_cpu_collective_timeout_seconds=7200",
+    ]
+).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import pathlib  # noqa: E402
-import resource  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import math
+import pathlib
+import resource
+import sys
+import tempfile
+import time
 
-from bench.report import ratio  # noqa: E402
-from train.config import Config, load_config  # noqa: E402
-from train.loop import run  # noqa: E402
+from bench.report import ratio
+from train.config import Config, load_config
+from train.loop import run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GIB = 2**30
 # A small vocabulary and embedding keep everything but attention cheap; activations are small enough
 # (16K tokens x 64 per device and layer) to keep without remat, and the loss is chunked per 2048 tokens.
 OVERRIDES = (
-    "model.vocab_size=320", "model.embed_dim=64", "model.num_layers=2", "model.num_heads=2",
-    "model.num_kv_heads=1", "model.head_dim=16", "model.mlp_dim=128", "model.remat_policy=none",
-    "model.loss_chunk_size=2048", "model.dtype=float32",
-    "mesh.data=1", "mesh.fsdp=1", "mesh.context=8", "parallel.context_strategy=ring",
-    "parallel.balance_layout=dual_chunk", "parallel.block_q=1024", "parallel.block_kv=1024",
-    "data.max_documents=300", "train.batch_size=1", "train.log_every_steps=1", "train.eval_batches=0",
-    "train.sample_tokens=0", "train.progress_bar=false", "optimizer.learning_rate=1e-2",
-    "optimizer.warmup_steps=0", "checkpoint.enabled=false",
+    "model.vocab_size=320",
+    "model.embed_dim=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=16",
+    "model.mlp_dim=128",
+    "compute.remat_policy=none",
+    "compute.loss_chunk_size=2048",
+    "compute.dtype=float32",
+    "mesh.data=1",
+    "mesh.fsdp=1",
+    "mesh.context=8",
+    "parallel.context_strategy=ring",
+    "parallel.balance_layout=dual_chunk",
+    "parallel.block_q=1024",
+    "parallel.block_kv=1024",
+    "data.max_documents=300",
+    "train.batch_size=1",
+    "train.log_every_steps=1",
+    "train.eval_batches=0",
+    "train.sample_tokens=0",
+    "train.progress_bar=false",
+    "optimizer.learning_rate=1e-2",
+    "optimizer.warmup_steps=0",
+    "checkpoint.enabled=false",
 )
 
 
 def build_config(seq_len: int, steps: int, output_dir: pathlib.Path) -> Config:
-    return load_config(REPO / "configs" / "tiny.yaml", [*OVERRIDES, f"data.seq_len={seq_len}",
-                                                        f"train.steps={steps}", f"train.output_dir={output_dir}"])
+    return load_config(
+        REPO / "configs" / "tiny.yaml",
+        [*OVERRIDES, f"data.seq_len={seq_len}", f"train.steps={steps}", f"train.output_dir={output_dir}"],
+    )
 
 
 def peak_rss_bytes() -> int:
@@ -93,11 +118,13 @@ def main() -> int:
         wall = time.perf_counter() - start
         records = [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
     peak, max_rss = peak_rss_bytes(), int(args.max_rss_gib * GIB)
-    m, p = config.model, config.parallel
-    print(f"\n{m.num_layers} layers, embed {m.embed_dim}, {m.num_heads} heads x {m.head_dim} ({m.num_kv_heads} kv), "
-          f"vocab {m.vocab_size}, remat {m.remat_policy}, loss chunk {m.loss_chunk_size}; seq_len "
-          f"{config.data.seq_len:,} x batch {config.train.batch_size}; mesh context={config.mesh.context} "
-          f"({p.context_strategy}, {p.balance_layout}, blocks {p.block_q}/{p.block_kv})\n")
+    m, c, p = config.model, config.compute, config.parallel
+    print(
+        f"\n{m.num_layers} layers, embed {m.embed_dim}, {m.num_heads} heads x {m.head_dim} ({m.num_kv_heads} kv), "
+        f"vocab {m.vocab_size}, remat {c.remat_policy}, loss chunk {c.loss_chunk_size}; seq_len "
+        f"{config.data.seq_len:,} x batch {config.train.batch_size}; mesh context={config.mesh.context} "
+        f"({p.context_strategy}, {p.balance_layout}, blocks {p.block_q}/{p.block_kv})\n"
+    )
     print("| step | loss | s/step | tokens/s |")
     print("|---|---|---|---|")
     for r in records:
@@ -106,8 +133,10 @@ def main() -> int:
     timed = [r for r in records if r["step"] > 1]
     seconds = sum(r["step_time"] for r in timed) / max(len(timed), 1)
     tokens_per_sec = config.data.seq_len * config.train.batch_size / seconds if timed else 0.0
-    print(f"\nmean {seconds:.1f} s/step, {tokens_per_sec:,.0f} tokens/s over steps 2-{args.steps}; "
-          f"whole run {wall:.0f} s; peak RSS {peak / GIB:.2f} GiB")
+    print(
+        f"\nmean {seconds:.1f} s/step, {tokens_per_sec:,.0f} tokens/s over steps 2-{args.steps}; "
+        f"whole run {wall:.0f} s; peak RSS {peak / GIB:.2f} GiB"
+    )
     losses = [r["loss"] for r in records]
     ratio(f"peak RSS, {config.data.seq_len:,} tokens, context=8", f"{args.max_rss_gib:g} GiB limit", peak / max_rss)
     ratio(f"loss at step {records[-1]['step']}", "loss at step 1", losses[-1] / losses[0])

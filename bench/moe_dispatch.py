@@ -19,26 +19,26 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import argparse
+import dataclasses
+import re
+import subprocess
+import sys
+import time
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
 
-import parallel  # noqa: E402
-from bench.report import ratio  # noqa: E402
-from bench.tp_collectives import BYTES, _group_size, _prod, moved_bytes  # noqa: E402
-from layers.moe import MoE, expert_swiglu  # noqa: E402
-from parallel.mesh import make_mesh, state_shardings  # noqa: E402
-from parallel.tensor import residual_spec  # noqa: E402
-from train.config import MeshConfig, load_config  # noqa: E402
-from train.memory import CPU_OPTIONS  # noqa: E402
+import parallel
+from bench.report import ratio
+from bench.tp_collectives import BYTES, _group_size, _prod, moved_bytes
+from layers.moe import MoE, expert_swiglu
+from parallel.mesh import make_mesh, state_shardings
+from parallel.tensor import residual_spec
+from train.config import MeshConfig, load_config
+from train.memory import CPU_OPTIONS
 
 CONTEXT = 8
 V2_LITE = load_config("configs/models/deepseek-v2-lite.yaml").model
@@ -54,8 +54,9 @@ def partitioner_placed(moe: MoE, x: jax.Array):
     order = jnp.argsort(experts.reshape(-1))
     sizes = jnp.bincount(experts.reshape(-1), length=moe.num_experts).astype(jnp.int32)
     kernels = (moe.experts_gate[...], moe.experts_up[...], moe.experts_down[...])
-    out = expert_swiglu(tokens[order // k].astype(moe.dtype), *(w.astype(moe.dtype) for w in kernels),
-                        group_sizes=sizes)
+    out = expert_swiglu(
+        tokens[order // k].astype(moe.dtype), *(w.astype(moe.dtype) for w in kernels), group_sizes=sizes
+    )
     out = out.astype(jnp.float32) * weights.reshape(-1)[order][:, None]
     y = jnp.zeros_like(out).at[order].set(out, unique_indices=True).reshape(n, k, -1).sum(1).astype(moe.dtype)
     return parallel.residual(y.reshape(x.shape)) + moe.shared(x), {"dropped": jnp.zeros(())}
@@ -67,13 +68,22 @@ def dispatched(moe: MoE, x: jax.Array):
 
 def block_step(config, impl, length: int, chunk: int = 0):
     """(jitted forward + backward of one MoE block under the mesh and plan, its abstract (state, x), mesh, plan)."""
-    moe = nnx.eval_shape(lambda: MoE(config.embed_dim, num_experts=config.num_experts,
-                                     experts_per_token=config.experts_per_token, moe_mlp_dim=config.moe_mlp_dim,
-                                     num_shared_experts=config.num_shared_experts, norm_topk_prob=False,
-                                     router_score=config.router_score, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    moe = nnx.eval_shape(
+        lambda: MoE(
+            config.embed_dim,
+            num_experts=config.num_experts,
+            experts_per_token=config.experts_per_token,
+            moe_mlp_dim=config.moe_mlp_dim,
+            num_shared_experts=config.num_shared_experts,
+            norm_topk_prob=False,
+            router_score=config.router_score,
+            dtype=jnp.bfloat16,
+            rngs=nnx.Rngs(0),
+        )
+    )
     graphdef, state = nnx.split(moe)
     mesh = make_mesh(MeshConfig(fsdp=-1, context=CONTEXT))
-    plan = parallel.plans.AttentionPlan(expert_chunk=chunk)
+    plan = parallel.plans.Plan(expert_chunk=chunk)
 
     def loss(state, x):
         y, stats = impl(nnx.merge(graphdef, state), x)
@@ -82,8 +92,9 @@ def block_step(config, impl, length: int, chunk: int = 0):
     with jax.set_mesh(mesh), parallel.plans.use(plan):
         shardings = nnx.state(state_shardings(state, mesh))
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
-        x = jax.ShapeDtypeStruct((1, length, config.embed_dim), jnp.bfloat16,
-                                 sharding=NamedSharding(mesh, residual_spec()))
+        x = jax.ShapeDtypeStruct(
+            (1, length, config.embed_dim), jnp.bfloat16, sharding=NamedSharding(mesh, residual_spec())
+        )
     return jax.jit(jax.grad(loss, argnums=(0, 1))), (state, x), mesh, plan
 
 
@@ -109,9 +120,15 @@ def seconds(config, impl, length: int, repeats: int) -> float:
     """Best wall time of the block's forward + backward on real (random) arrays."""
     step, (state, x), mesh, plan = block_step(config, impl, length)
     with jax.set_mesh(mesh), parallel.plans.use(plan):
-        real = jax.tree.map(lambda a: jax.device_put(0.02 * jax.random.normal(jax.random.key(0), a.shape, a.dtype)
-                                                     if a.dtype != jnp.int32 else jnp.zeros(a.shape, a.dtype),
-                                                     a.sharding), (state, x))
+        real = jax.tree.map(
+            lambda a: jax.device_put(
+                0.02 * jax.random.normal(jax.random.key(0), a.shape, a.dtype)
+                if a.dtype != jnp.int32
+                else jnp.zeros(a.shape, a.dtype),
+                a.sharding,
+            ),
+            (state, x),
+        )
         jax.block_until_ready(step(*real))
         best = float("inf")
         for _ in range(repeats):
@@ -123,8 +140,12 @@ def seconds(config, impl, length: int, repeats: int) -> float:
 
 def plan_total(config_path: str, devices: int) -> float:
     """The `--plan` total per device in GiB (a subprocess: the plan simulates its own device count)."""
-    done = subprocess.run([sys.executable, "-m", "train", config_path, "--plan", "--devices", str(devices)],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "train", config_path, "--plan", "--devices", str(devices)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(re.search(r"total\s+([\d.]+) GiB", done.stdout).group(1))
 
 
@@ -139,8 +160,11 @@ def main() -> None:
     for length in lengths:
         rows = {}
         quarter = length // CONTEXT // 4
-        for name, impl, chunk in (("partitioner (baseline)", partitioner_placed, 0), ("all-to-all", dispatched, 0),
-                                  (f"all-to-all, chunks of {quarter}", dispatched, quarter)):
+        for name, impl, chunk in (
+            ("partitioner (baseline)", partitioner_placed, 0),
+            ("all-to-all", dispatched, 0),
+            (f"all-to-all, chunks of {quarter}", dispatched, quarter),
+        ):
             result = compiled(V2_LITE, impl, length, chunk)
             hlo = result.as_text()
             sent = all_to_all_bytes(hlo) + sum(moved_bytes(hlo).values())
@@ -148,19 +172,29 @@ def main() -> None:
             per_token = "(in a loop)" if chunk else f"{rows[name][1] / 2**10:,.1f}"  # HLO text shows one iteration
             print(f"| {length} | {name} | {rows[name][0] / 2**20:,.0f} | {per_token} |")
         base_temp, base_sent = rows["partitioner (baseline)"]
-        ratio(f"MoE block temporaries per device, T={length}, all-to-all", "partitioner-placed",
-              rows["all-to-all"][0] / base_temp)
-        ratio(f"MoE block temporaries per device, T={length}, all-to-all in {quarter}-token chunks",
-              "partitioner-placed", rows[f"all-to-all, chunks of {quarter}"][0] / base_temp)
+        ratio(
+            f"MoE block temporaries per device, T={length}, all-to-all",
+            "partitioner-placed",
+            rows["all-to-all"][0] / base_temp,
+        )
+        ratio(
+            f"MoE block temporaries per device, T={length}, all-to-all in {quarter}-token chunks",
+            "partitioner-placed",
+            rows[f"all-to-all, chunks of {quarter}"][0] / base_temp,
+        )
         ratio(f"bytes sent per token, T={length}, all-to-all", "partitioner-placed", rows["all-to-all"][1] / base_sent)
     length = 512 if args.quick else 4096
     fast, slow = (seconds(NARROW, impl, length, 2) for impl in (dispatched, partitioner_placed))
-    print(f"time, forward + backward, widths {NARROW.embed_dim}/{NARROW.moe_mlp_dim}, T={length}: all-to-all "
-          f"{fast:.2f} s, partitioner-placed {slow:.2f} s")
+    print(
+        f"time, forward + backward, widths {NARROW.embed_dim}/{NARROW.moe_mlp_dim}, T={length}: all-to-all "
+        f"{fast:.2f} s, partitioner-placed {slow:.2f} s"
+    )
     ratio(f"MoE block time, T={length}, quarter widths, all-to-all", "partitioner-placed", fast / slow)
     if not args.quick:
-        for path, devices in (("configs/finetune-128k-deepseek-v2-lite.yaml", 8),
-                              ("configs/finetune-128k-deepseek-v3.yaml", 256)):
+        for path, devices in (
+            ("configs/finetune-128k-deepseek-v2-lite.yaml", 8),
+            ("configs/finetune-128k-deepseek-v3.yaml", 256),
+        ):
             total = plan_total(path, devices)
             print(f"--plan {path} --devices {devices}: {total:.2f} GiB per device")
             ratio(f"--plan total per device, {path.split('/')[-1]} on {devices} devices", "80 GiB", total / 80)

@@ -26,21 +26,23 @@ from bench.report import ratio
 from parallel.reorder import from_balanced, layout_index, to_balanced
 
 # name -> (shape, dtype, timed calls per version, the same with --quick)
-ARRAYS = {"activation [1, 131072, 8, 128] bf16": ((1, 131072, 8, 128), jnp.bfloat16, 10, 3),
-          "tokens [1, 131072] int32": ((1, 131072), jnp.int32, 100, 100)}
+ARRAYS = {
+    "activation [1, 131072, 8, 128] bf16": ((1, 131072, 8, 128), jnp.bfloat16, 10, 3),
+    "tokens [1, 131072] int32": ((1, 131072), jnp.int32, 100, 100),
+}
 CPS = (2, 8, 16)
 LAYOUTS = (("dual_chunk", 1), ("striped", 1))
 
 
-def static_fn(cp, strategy, stripe, forward):
+def static_fn(cp, layout, stripe, forward):
     """Jitted to_balanced / from_balanced along axis 1."""
     fn = to_balanced if forward else from_balanced
-    return jax.jit(lambda x: fn(x, cp, axis=1, strategy=strategy, stripe=stripe))
+    return jax.jit(lambda x: fn(x, cp, axis=1, layout=layout, stripe=stripe))
 
 
-def gather_fn(cp, strategy, stripe, forward, length):
+def gather_fn(cp, layout, stripe, forward, length):
     """Jitted jnp.take along axis 1 with the layout's permutation (or its inverse) as a constant."""
-    perm = layout_index(length, cp, strategy, stripe)
+    perm = layout_index(length, cp, layout, stripe)
     perm = perm if forward else np.argsort(perm).astype(np.int32)
     return jax.jit(lambda x: jnp.take(x, perm, axis=1))
 
@@ -58,12 +60,12 @@ def seconds(compiled, x) -> float:
     return time.perf_counter() - start
 
 
-def measure(x, repeats, cp, strategy, stripe, forward) -> tuple[str, float]:
+def measure(x, repeats, cp, layout, stripe, forward) -> tuple[str, float]:
     """(table row, gather / static time): static and gather versions compiled, checked equal, timed interleaved."""
-    versions = [static_fn(cp, strategy, stripe, forward), gather_fn(cp, strategy, stripe, forward, x.shape[1])]
+    versions = [static_fn(cp, layout, stripe, forward), gather_fn(cp, layout, stripe, forward, x.shape[1])]
     compiled = [fn.lower(x).compile() for fn in versions]
     static_out, gather_out = (c(x) for c in compiled)
-    assert bool(jnp.array_equal(static_out, gather_out)), (cp, strategy, forward)
+    assert bool(jnp.array_equal(static_out, gather_out)), (cp, layout, forward)
     del static_out, gather_out
     best = [float("inf")] * 2
     for repeat in range(repeats):
@@ -71,8 +73,10 @@ def measure(x, repeats, cp, strategy, stripe, forward) -> tuple[str, float]:
             best[i] = min(best[i], seconds(compiled[i], x))
     counts = [hlo_counts(c) for c in compiled]
     direction = "to" if forward else "from"
-    row = (f"| {cp} | {strategy} | {direction} | {1e3 * best[0]:.3f} | {1e3 * best[1]:.3f} "
-           f"| {best[1] / best[0]:.2f} | " + " | ".join(f"{g} / {w} / {n}" for g, w, n in counts) + " |")
+    row = (
+        f"| {cp} | {layout} | {direction} | {1e3 * best[0]:.3f} | {1e3 * best[1]:.3f} "
+        f"| {best[1] / best[0]:.2f} | " + " | ".join(f"{g} / {w} / {n}" for g, w, n in counts) + " |"
+    )
     return row, best[1] / best[0]
 
 
@@ -87,20 +91,25 @@ def main() -> None:
         x = jnp.asarray(np.random.default_rng(0).normal(size=shape) * 1000, dtype)
         print(f"{name}, {x.nbytes / 2**20:g} MiB, best of {repeats} calls")
         print()
-        print("| cp | layout | direction | static (ms) | gather (ms) | gather / static "
-              "| static HLO gather / while / instr | gather HLO gather / while / instr |")
+        print(
+            "| cp | layout | direction | static (ms) | gather (ms) | gather / static "
+            "| static HLO gather / while / instr | gather HLO gather / while / instr |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for cp in cps:
-            for strategy, stripe in LAYOUTS:
+            for layout, stripe in LAYOUTS:
                 for forward in (True, False):
-                    row, gather_over_static = measure(x, repeats, cp, strategy, stripe, forward)
-                    ratios.setdefault((name.split(" [")[0], strategy), []).append(gather_over_static)
+                    row, gather_over_static = measure(x, repeats, cp, layout, stripe, forward)
+                    ratios.setdefault((name.split(" [")[0], layout), []).append(gather_over_static)
                     print(row, flush=True)
         print()
     print(f"device: {jax.device_count()} x {jax.devices()[0].device_kind}")
-    for (array, strategy), values in ratios.items():
-        ratio(f"{array} reorder time, index gather, {strategy} (median over cp {'/'.join(map(str, cps))}, to/from)",
-              "static layout ops", statistics.median(values))
+    for (array, layout), values in ratios.items():
+        ratio(
+            f"{array} reorder time, index gather, {layout} (median over cp {'/'.join(map(str, cps))}, to/from)",
+            "static layout ops",
+            statistics.median(values),
+        )
 
 
 if __name__ == "__main__":

@@ -65,8 +65,12 @@ def escape(text: str) -> str:
 
 def table(outcomes: list[Outcome], quick: bool) -> str:
     """Markdown: one row per ratio, one row per note; then each script's wall time."""
-    lines = [f"`bench/run_all.py{' --quick' if quick else ''}`", "",
-             "| benchmark | measurement | baseline | ratio |", "|---|---|---|---|"]
+    lines = [
+        f"`bench/run_all.py{' --quick' if quick else ''}`",
+        "",
+        "| benchmark | measurement | baseline | ratio |",
+        "|---|---|---|---|",
+    ]
     for outcome in outcomes:
         for measurement, baseline, value in outcome.ratios:
             lines.append(f"| {outcome.name} | {escape(measurement)} | {escape(baseline)} | {value} |")

@@ -7,6 +7,7 @@ Run: PYTHONPATH=. python bench/segments.py
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import jax
@@ -27,7 +28,7 @@ def packed(length: int, segments: int, seed: int = 0):
     bounds = np.concatenate([[0], cuts, [length - length // 16]])
     seg = np.zeros(length, np.int32)
     pos = np.zeros(length, np.int32)
-    for s, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]), 1):
+    for s, (a, b) in enumerate(itertools.pairwise(bounds), 1):
         seg[a:b], pos[a:b] = s, np.arange(b - a)
     return jnp.asarray(seg[None]), jnp.asarray(pos[None])
 
@@ -95,8 +96,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="causal mask only")
     masks = ("causal",) if parser.parse_args().quick else ("causal", "padding")
-    methods = (("(a) segment reductions", seqlens_offsets), ("(b) one-hot [T, S+1]", onehot),
-               ("(c) explicit [T, T] mask", explicit))
+    methods = (
+        ("(a) segment reductions", seqlens_offsets),
+        ("(b) one-hot [T, S+1]", onehot),
+        ("(c) explicit [T, T] mask", explicit),
+    )
     print(f"backend: {jax.default_backend()}, batch 1, S={SEGMENTS}\n")
     print("| mask | T | method | temp MiB | time ms | temp / (a) | time / (a) |")
     print("|---|---|---|---|---|---|---|")
@@ -109,11 +113,18 @@ def main():
                 temp, ms = (base_temp, base_time) if fn is seqlens_offsets else measure(fn, length, mask, run)
                 ms_text = f"{ms:.2f}" if ms is not None else "not run"
                 ratio_text = f"{ms / base_time:.1f}x" if ms is not None else "-"
-                print(f"| {mask} | {length} | {name} | {temp:.2f} | {ms_text} | {temp / max(base_temp, 1e-9):.1f}x "
-                      f"| {ratio_text} |")
+                print(
+                    f"| {mask} | {length} | {name} | {temp:.2f} | {ms_text} | {temp / max(base_temp, 1e-9):.1f}x "
+                    f"| {ratio_text} |"
+                )
                 if fn is not seqlens_offsets and length == LONG:
-                    ratios.append((f"{mask} T={length} temp memory, {name[4:]}", "segment reductions",
-                                   temp / max(base_temp, 1e-9)))
+                    ratios.append(
+                        (
+                            f"{mask} T={length} temp memory, {name[4:]}",
+                            "segment reductions",
+                            temp / max(base_temp, 1e-9),
+                        )
+                    )
                 if fn is not seqlens_offsets and ms is not None:
                     ratios.append((f"{mask} T={length} time, {name[4:]}", "segment reductions", ms / base_time))
     for measurement, baseline, value in ratios:

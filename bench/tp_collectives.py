@@ -15,34 +15,63 @@ import os
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
+import argparse
+import dataclasses
+import math
+import re
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding
 
-import parallel  # noqa: E402
-from bench.report import ratio  # noqa: E402
-from models.deepseek import Block  # noqa: E402
-from parallel.mesh import make_mesh, state_shardings  # noqa: E402
-from parallel.tensor import residual_spec  # noqa: E402
-from train.config import MeshConfig, ModelConfig, RopeScalingConfig  # noqa: E402
+import parallel
+from bench.report import ratio
+from models.deepseek import Block
+from parallel.mesh import make_mesh, state_shardings
+from parallel.tensor import residual_spec
+from train.config import MeshConfig, ModelConfig, RopeScalingConfig
 
 TP = 8
 # DeepSeek-V3's block sizes (configs/models/deepseek-v3.yaml), bfloat16 compute.
-V3 = ModelConfig(family="deepseek", vocab_size=129280, embed_dim=7168, num_layers=2, num_heads=128, num_kv_heads=128,
-                 head_dim=192, mlp_dim=18432, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                 qk_rope_head_dim=64, v_head_dim=128, num_experts=256, experts_per_token=8, moe_mlp_dim=2048,
-                 num_shared_experts=1, first_dense_layers=1, n_group=8, topk_group=4, dtype="bfloat16",
-                 param_dtype="bfloat16", remat_policy="none",
-                 rope_scaling=RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=4096))
+V3 = ModelConfig(
+    family="deepseek",
+    vocab_size=129280,
+    embed_dim=7168,
+    num_layers=2,
+    num_heads=128,
+    num_kv_heads=128,
+    head_dim=192,
+    mlp_dim=18432,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    num_experts=256,
+    experts_per_token=8,
+    moe_mlp_dim=2048,
+    num_shared_experts=1,
+    first_dense_layers=1,
+    n_group=8,
+    topk_group=4,
+    param_dtype="bfloat16",
+    rope_scaling=RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=4096),
+)
 # A smaller block of the same shape for --quick.
-QUICK = dataclasses.replace(V3, embed_dim=1024, num_heads=16, num_kv_heads=16, mlp_dim=2048, q_lora_rank=384,
-                            kv_lora_rank=128, num_experts=16, n_group=4, topk_group=2, moe_mlp_dim=256)
+QUICK = dataclasses.replace(
+    V3,
+    embed_dim=1024,
+    num_heads=16,
+    num_kv_heads=16,
+    mlp_dim=2048,
+    q_lora_rank=384,
+    kv_lora_rank=128,
+    num_experts=16,
+    n_group=4,
+    topk_group=2,
+    moe_mlp_dim=256,
+)
 FACTOR = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2}
 BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
 
@@ -89,13 +118,15 @@ def compile_on_block(config: ModelConfig, fn, *, moe: bool, scatter: bool, token
     """`fn(block, x)` compiled for one abstract block and x [1, tokens, embed] bfloat16 on a tensor=8 mesh, with
     the residual stream scattered or not; `grad`: its gradient with respect to the block's state and x."""
     mesh = make_mesh(MeshConfig(fsdp=1, tensor=TP))
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: Block(config, moe=moe, rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(
+        nnx.eval_shape(lambda: Block(config, moe=moe, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16, dtype=jnp.bfloat16))
+    )
     x = jax.ShapeDtypeStruct((1, tokens, config.embed_dim), jnp.bfloat16)
 
     def on_state(state, x):
         return fn(nnx.merge(graphdef, state), x)
 
-    plan = parallel.plans.AttentionPlan(scatter=scatter, block_q=1024, block_kv=1024)
+    plan = parallel.plans.Plan(scatter=scatter, block_q=1024, block_kv=1024)
     with jax.set_mesh(mesh), parallel.plans.use(plan):
         shardings = (nnx.state(state_shardings(state, mesh)), NamedSharding(mesh, residual_spec()))
         compiled_fn = jax.grad(on_state, argnums=(0, 1)) if grad else on_state
@@ -120,7 +151,7 @@ def norm_and_down_flops(config: ModelConfig, *, scatter: bool, tokens: int) -> f
         h = block.attn_norm(x)
         q_low = block.attn.q_a_norm(h @ block.attn.q_a[...])
         kv_low = h @ block.attn.kv_a[...]
-        return q_low, block.attn.kv_a_norm(kv_low[..., :config.kv_lora_rank]), kv_low[..., config.kv_lora_rank:]
+        return q_low, block.attn.kv_a_norm(kv_low[..., : config.kv_lora_rank]), kv_low[..., config.kv_lora_rank :]
 
     compiled = compile_on_block(config, down, moe=False, scatter=scatter, tokens=tokens, grad=False)
     return compiled.cost_analysis().get("flops", 0.0)
@@ -133,8 +164,10 @@ def main() -> None:
     args = parser.parse_args()
     config = QUICK if args.quick else V3
     tokens = args.tokens or (2048 if args.quick else 4096)
-    print(f"block: embed {config.embed_dim}, heads {config.num_heads}, q_lora {config.q_lora_rank}, kv_lora "
-          f"{config.kv_lora_rank}, rope {config.qk_rope_head_dim}; {tokens} tokens; tensor={TP}; forward + backward")
+    print(
+        f"block: embed {config.embed_dim}, heads {config.num_heads}, q_lora {config.q_lora_rank}, kv_lora "
+        f"{config.kv_lora_rank}, rope {config.qk_rope_head_dim}; {tokens} tokens; tensor={TP}; forward + backward"
+    )
     print("| block | TP | all-gather MiB | reduce-scatter MiB | all-reduce MiB | total MiB | GFLOP | temp MiB |")
     print("|---|---|---|---|---|---|---|---|")
     results = {}
@@ -146,11 +179,16 @@ def main() -> None:
             temp = compiled.memory_analysis().temp_size_in_bytes
             results[moe, scatter] = sum(moved.values()), flops, temp
             name, mode = "MoE" if moe else "dense", "scattered" if scatter else "all-reduce"
-            print(f"| {name} | {mode} | " + " | ".join(f"{moved[k] / 2**20:.1f}" for k in FACTOR)
-                  + f" | {sum(moved.values()) / 2**20:.1f} | {flops / 1e9:.1f} | {temp / 2**20:.1f} |")
+            print(
+                f"| {name} | {mode} | "
+                + " | ".join(f"{moved[k] / 2**20:.1f}" for k in FACTOR)
+                + f" | {sum(moved.values()) / 2**20:.1f} | {flops / 1e9:.1f} | {temp / 2**20:.1f} |"
+            )
     down = {scatter: norm_and_down_flops(config, scatter=scatter, tokens=tokens) for scatter in (True, False)}
-    print(f"attention norm + MLA down-projections + latent norms, forward, per device: all-reduce "
-          f"{down[False] / 1e9:.2f} GFLOP, scattered {down[True] / 1e9:.2f} GFLOP")
+    print(
+        f"attention norm + MLA down-projections + latent norms, forward, per device: all-reduce "
+        f"{down[False] / 1e9:.2f} GFLOP, scattered {down[True] / 1e9:.2f} GFLOP"
+    )
     for moe in (False, True):
         name = "MoE" if moe else "dense"
         (bytes_s, flops_s, temp_s), (bytes_a, flops_a, temp_a) = results[moe, True], results[moe, False]

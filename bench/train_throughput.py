@@ -46,9 +46,20 @@ class Model:
 
 MODELS = {
     "tiny": Model(overrides=(), steps=20),
-    "100m": Model(overrides=("model.embed_dim=768", "model.num_layers=12", "model.num_heads=12",
-                             "model.num_kv_heads=4", "model.head_dim=64", "model.mlp_dim=2048",
-                             "model.vocab_size=32768", "data.seq_len=256", "train.batch_size=2"), steps=3),
+    "100m": Model(
+        overrides=(
+            "model.embed_dim=768",
+            "model.num_layers=12",
+            "model.num_heads=12",
+            "model.num_kv_heads=4",
+            "model.head_dim=64",
+            "model.mlp_dim=2048",
+            "model.vocab_size=32768",
+            "data.seq_len=256",
+            "train.batch_size=2",
+        ),
+        steps=3,
+    ),
 }
 
 
@@ -79,7 +90,7 @@ class Result:
 
 
 def build_config(name: str, policy: str, args: argparse.Namespace) -> Config:
-    overrides = [*MODELS[name].overrides, f"model.remat_policy={policy}"]
+    overrides = [*MODELS[name].overrides, f"compute.remat_policy={policy}"]
     if args.batch:
         overrides.append(f"train.batch_size={args.batch}")
     if args.seq_len:
@@ -106,13 +117,21 @@ def random_batch(config: Config, mesh) -> dict:
 def prepare(config: Config, mesh) -> Run:
     """State, batch and compiled train step for `config`, after one warm-up step."""
     check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
-    train_state = create_state(config.model, make_optimizer(config.optimizer, config.train.steps), mesh, seed=0)
+    train_state = create_state(
+        config.model, make_optimizer(config.optimizer, config.train.steps), mesh, seed=0, compute=config.compute
+    )
     with jax.set_mesh(mesh):
-        jitted = make_train_step(train_state, mesh, chunk_size=config.model.loss_chunk_size,
-                                 accum_steps=config.train.grad_accum_steps)
+        jitted = make_train_step(
+            train_state, mesh, chunk_size=config.compute.loss_chunk_size, accum_steps=config.train.grad_accum_steps
+        )
         batch = random_batch(config, mesh)
-        run = Run(config, jitted.lower(train_state.state, batch).compile(), train_state.state, batch,
-                  param_count(train_state.state))
+        run = Run(
+            config,
+            jitted.lower(train_state.state, batch).compile(),
+            train_state.state,
+            batch,
+            param_count(train_state.state),
+        )
         timed_step(run)
     return run
 
@@ -129,10 +148,18 @@ def result(name: str, policy: str, run: Run, peak: float) -> Result:
     config, memory = run.config, run.step.memory_analysis()
     seconds = statistics.median(run.seconds)
     tokens_per_sec = config.train.batch_size * config.data.seq_len / seconds
-    return Result(model=name, policy=policy, params=run.params, seq_len=config.data.seq_len,
-                  batch=config.train.batch_size, tokens_per_sec=tokens_per_sec, step_ms=1e3 * seconds,
-                  mfu=tokens_per_sec * flops_per_token(config.model, config.data.seq_len) / peak,
-                  temp_mib=memory.temp_size_in_bytes / MIB, argument_mib=memory.argument_size_in_bytes / MIB)
+    return Result(
+        model=name,
+        policy=policy,
+        params=run.params,
+        seq_len=config.data.seq_len,
+        batch=config.train.batch_size,
+        tokens_per_sec=tokens_per_sec,
+        step_ms=1e3 * seconds,
+        mfu=tokens_per_sec * flops_per_token(config.model, config.data.seq_len) / peak,
+        temp_mib=memory.temp_size_in_bytes / MIB,
+        argument_mib=memory.argument_size_in_bytes / MIB,
+    )
 
 
 def measure(name: str, args: argparse.Namespace, peak: float) -> list[Result]:
@@ -149,13 +176,17 @@ def measure(name: str, args: argparse.Namespace, peak: float) -> list[Result]:
 
 def table(results: list[Result]) -> str:
     baseline = {r.model: r.tokens_per_sec for r in results if r.policy == "none"}
-    lines = ["| model | remat | params (M) | seq_len | batch | tokens/s | step (ms) | MFU | temp (MiB) "
-             "| args (MiB) | tokens/s vs none |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | remat | params (M) | seq_len | batch | tokens/s | step (ms) | MFU | temp (MiB) "
+        "| args (MiB) | tokens/s vs none |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
-        lines.append(f"| {r.model} | {r.policy} | {r.params / 1e6:.1f} | {r.seq_len} | {r.batch} "
-                     f"| {r.tokens_per_sec:,.0f} | {r.step_ms:.1f} | {r.mfu:.1%} | {r.temp_mib:.1f} "
-                     f"| {r.argument_mib:.1f} | {r.tokens_per_sec / baseline[r.model]:.2f} |")
+        lines.append(
+            f"| {r.model} | {r.policy} | {r.params / 1e6:.1f} | {r.seq_len} | {r.batch} "
+            f"| {r.tokens_per_sec:,.0f} | {r.step_ms:.1f} | {r.mfu:.1%} | {r.temp_mib:.1f} "
+            f"| {r.argument_mib:.1f} | {r.tokens_per_sec / baseline[r.model]:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -179,8 +210,9 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,100m", help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--steps", type=int, default=0, help="timed steps per policy (default: 20 tiny, 3 100m)")
-    parser.add_argument("--batch", type=int, default=0, help="global batch rows for every model "
-                        "(default: 8 tiny, 2 100m)")
+    parser.add_argument(
+        "--batch", type=int, default=0, help="global batch rows for every model (default: 8 tiny, 2 100m)"
+    )
     parser.add_argument("--seq-len", type=int, default=0, help="tokens per row for every model (default: 256)")
     parser.add_argument("--quick", action="store_true", help="--models tiny --steps 3")
     args = parser.parse_args()

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from layers.loss import logits
 from layers.params import logical_param
 
 # Output kernel: truncated normal with standard deviation 1 / sqrt(embed_dim) (fan_in = first axis).
@@ -27,9 +26,7 @@ class Embed(nnx.Module):
     ):
         self.dtype = dtype
         init = nnx.initializers.normal(stddev=0.02)
-        self.embedding = logical_param(
-            init(rngs.params(), (vocab_size, embed_dim), param_dtype), ("vocab", "embed")
-        )
+        self.embedding = logical_param(init(rngs.params(), (vocab_size, embed_dim), param_dtype), ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens: [batch, length] int -> [batch, length, embed] in `dtype`."""
@@ -43,23 +40,10 @@ class Embed(nnx.Module):
 class OutputHead(nnx.Module):
     """Untied output projection `kernel`: [embed, vocab], truncated normal with std 1 / sqrt(embed)."""
 
-    def __init__(
-        self,
-        embed_dim: int,
-        vocab_size: int,
-        *,
-        param_dtype: jnp.dtype = jnp.float32,
-        dtype: jnp.dtype = jnp.float32,
-        rngs: nnx.Rngs,
-    ):
-        self.dtype = dtype
+    def __init__(self, embed_dim: int, vocab_size: int, *, param_dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.kernel = logical_param(
             _output_init(rngs.params(), (embed_dim, vocab_size), param_dtype), ("embed", "vocab")
         )
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [batch, length, embed] -> float32 logits [batch, length, vocab], multiplied in `dtype`."""
-        return logits(x, self.kernel[...], self.dtype)
 
     def output_kernel(self) -> jax.Array:
         """Output matrix [embed, vocab] in `param_dtype`, for `layers.loss` (chunked loss)."""

@@ -6,29 +6,37 @@ transformers' latent norms do."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import parallel
 from layers.norm import RMSNorm
-from layers.params import logical_param
+from layers.params import normal_param
 from layers.rope import apply_rope, inverse_frequencies, yarn_softmax_scale
-
-
-def _param(rngs: nnx.Rngs, shape, fan_in: int, names, dtype) -> nnx.Param:
-    return logical_param(jax.nn.initializers.normal(stddev=fan_in**-0.5)(rngs.params(), shape, dtype), names)
 
 
 class MLA(nnx.Module):
     """Low-rank query (optional) and key/value with one rotary key shared by all heads:
     x [batch, length, embed] -> [batch, length, embed]; query/key head dim nope + rope, value head dim v."""
 
-    def __init__(self, embed_dim: int, num_heads: int, *, q_lora_rank: int, kv_lora_rank: int,
-                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_theta: float,
-                 rope_scaling=None, norm_eps: float = 1e-6, param_dtype=jnp.float32, dtype=jnp.float32,
-                 rngs: nnx.Rngs):
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        *,
+        q_lora_rank: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        rope_theta: float,
+        rope_scaling=None,
+        norm_eps: float = 1e-6,
+        param_dtype=jnp.float32,
+        dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         self.q_lora_rank, self.kv_lora_rank, self.dtype = q_lora_rank, kv_lora_rank, dtype
         self.qk_nope_head_dim = qk_nope_head_dim
         qk_head_dim = qk_nope_head_dim + qk_rope_head_dim
@@ -37,20 +45,33 @@ class MLA(nnx.Module):
         self.scale = qk_head_dim**-0.5 * yarn_softmax_scale(rope_scaling)
         norm = dict(eps=norm_eps, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
         if q_lora_rank > 0:
-            self.q_a = _param(rngs, (embed_dim, q_lora_rank), embed_dim, ("embed", "q_lora"), param_dtype)
+            self.q_a = normal_param(rngs, (embed_dim, q_lora_rank), embed_dim, ("embed", "q_lora"), param_dtype)
             self.q_a_norm = RMSNorm(q_lora_rank, **norm)
-            self.q_b = _param(rngs, (q_lora_rank, num_heads, qk_head_dim), q_lora_rank,
-                              ("q_lora", "heads", "head_dim"), param_dtype)
+            self.q_b = normal_param(
+                rngs, (q_lora_rank, num_heads, qk_head_dim), q_lora_rank, ("q_lora", "heads", "head_dim"), param_dtype
+            )
         else:
-            self.q = _param(rngs, (embed_dim, num_heads, qk_head_dim), embed_dim, ("embed", "heads", "head_dim"),
-                            param_dtype)
-        self.kv_a = _param(rngs, (embed_dim, kv_lora_rank + qk_rope_head_dim), embed_dim, ("embed", "kv_lora"),
-                           param_dtype)
+            self.q = normal_param(
+                rngs, (embed_dim, num_heads, qk_head_dim), embed_dim, ("embed", "heads", "head_dim"), param_dtype
+            )
+        self.kv_a = normal_param(
+            rngs, (embed_dim, kv_lora_rank + qk_rope_head_dim), embed_dim, ("embed", "kv_lora"), param_dtype
+        )
         self.kv_a_norm = RMSNorm(kv_lora_rank, **norm)
-        self.kv_b = _param(rngs, (kv_lora_rank, num_heads, qk_nope_head_dim + v_head_dim), kv_lora_rank,
-                           ("kv_lora", "heads", "head_dim"), param_dtype)
-        self.o = _param(rngs, (num_heads, v_head_dim, embed_dim), num_heads * v_head_dim,
-                        ("heads", "head_dim", "embed"), param_dtype)
+        self.kv_b = normal_param(
+            rngs,
+            (kv_lora_rank, num_heads, qk_nope_head_dim + v_head_dim),
+            kv_lora_rank,
+            ("kv_lora", "heads", "head_dim"),
+            param_dtype,
+        )
+        self.o = normal_param(
+            rngs,
+            (num_heads, v_head_dim, embed_dim),
+            num_heads * v_head_dim,
+            ("heads", "head_dim", "embed"),
+            param_dtype,
+        )
 
     def __call__(self, x, positions, segment_ids=None):
         """x: [batch, length, embed] in the residual stream's layout, positions/segment_ids: [batch, length] ->
@@ -64,20 +85,21 @@ class MLA(nnx.Module):
         else:
             query_in, q_kernel = x, self.q[...]
         kv_low = checkpoint_name(x @ self.kv_a[...].astype(self.dtype), "kv_a_proj")
-        latent = self.kv_a_norm(kv_low[..., :self.kv_lora_rank])
-        tokens = parallel.gather(jnp.concatenate([query_in, latent, kv_low[..., self.kv_lora_rank:]], axis=-1))
+        latent = self.kv_a_norm(kv_low[..., : self.kv_lora_rank])
+        tokens = parallel.gather(jnp.concatenate([query_in, latent, kv_low[..., self.kv_lora_rank :]], axis=-1))
         q_width, kv_width = query_in.shape[-1], query_in.shape[-1] + self.kv_lora_rank
         q = tokens.features(0, q_width).project("btr,rhd->bthd", q_kernel.astype(self.dtype), "h")
         q = checkpoint_name(q, "q_proj")
         kv = tokens.features(q_width, kv_width).project("btr,rhd->bthd", self.kv_b[...].astype(self.dtype), "h")
-        k_nope = checkpoint_name(kv[..., :self.qk_nope_head_dim], "k_proj")
-        value = checkpoint_name(kv[..., self.qk_nope_head_dim:], "v_proj")
+        k_nope = checkpoint_name(kv[..., : self.qk_nope_head_dim], "k_proj")
+        value = checkpoint_name(kv[..., self.qk_nope_head_dim :], "v_proj")
         k_pe = tokens.features(kv_width).per_head(q.shape[2])
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-        q_pe = apply_rope(q[..., self.qk_nope_head_dim:], positions, inv_freq, self.rope_factor, interleaved=True)
+        q_pe = apply_rope(q[..., self.qk_nope_head_dim :], positions, inv_freq, self.rope_factor, interleaved=True)
         k_pe = apply_rope(k_pe, positions, inv_freq, self.rope_factor, interleaved=True)
-        query = jnp.concatenate([q[..., :self.qk_nope_head_dim], q_pe], axis=-1)
+        query = jnp.concatenate([q[..., : self.qk_nope_head_dim], q_pe], axis=-1)
         key = jnp.concatenate([k_nope, k_pe], axis=-1)
         out = parallel.attention(query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale)
-        return checkpoint_name(parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"),
-                                "o_proj")
+        return checkpoint_name(
+            parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"), "o_proj"
+        )

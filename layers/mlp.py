@@ -28,15 +28,9 @@ class SwiGLU(nnx.Module):
         rngs: nnx.Rngs,
     ):
         self.dtype = dtype
-        self.gate = logical_param(
-            _kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp")
-        )
-        self.up = logical_param(
-            _kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp")
-        )
-        self.down = logical_param(
-            _kernel_init(rngs.params(), (mlp_dim, embed_dim), param_dtype), ("mlp", "embed")
-        )
+        self.gate = logical_param(_kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp"))
+        self.up = logical_param(_kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp"))
+        self.down = logical_param(_kernel_init(rngs.params(), (mlp_dim, embed_dim), param_dtype), ("mlp", "embed"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [batch, length, embed] in the residual stream's layout -> [batch, length, embed] in `dtype`, same

@@ -2,8 +2,8 @@
 
 Router scores are DeepSeek-V3's sigmoid, with an aux-loss-free selection bias, or DeepSeek-V2's softmax over all
 experts, without one; optional group-limited routing; routed SwiGLU experts, run where `parallel.routed_experts`
-sends the tokens (dropless on one device, a capacity of `capacity_factor` x the balanced load per expert under
-expert parallelism); optional shared experts.
+sends the tokens (dropless on one device; under expert parallelism a capacity per expert that the parallel plan
+sets); optional shared experts.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def load_imbalance(counts: jax.Array) -> jax.Array:
 class MoE(nnx.Module):
     """Routed SwiGLU experts (top-k of `num_experts`) plus optional shared experts.
 
-    Parameters: gate [embed, experts] (router), bias RouterBias [experts] (selection bias of sigmoid routing;
+    Parameters: router [embed, experts], bias RouterBias [experts] (selection bias of sigmoid routing;
     softmax routing leaves it unused), experts_gate / experts_up
     [experts, embed, moe_mlp], experts_down [experts, moe_mlp, embed], shared SwiGLU(moe_mlp * num_shared) or None.
-    Hugging Face: gate = mlp.gate.weight.T, bias = mlp.gate.e_score_correction_bias (V3),
+    Hugging Face: router = mlp.gate.weight.T, bias = mlp.gate.e_score_correction_bias (V3),
     experts_{gate,up,down}[i] = mlp.experts.{i}.{gate,up,down}_proj.weight.T,
     shared.{gate,up,down} = mlp.shared_experts.{gate,up,down}_proj.weight.T.
     """
@@ -71,7 +71,6 @@ class MoE(nnx.Module):
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
         router_score: str = "sigmoid",
-        capacity_factor: float = 1.25,
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -81,16 +80,18 @@ class MoE(nnx.Module):
         if n_group < 1 or num_experts % n_group:
             raise ValueError(f"num_experts={num_experts} must be divisible by n_group={n_group} (n_group >= 1)")
         if router_score == "sigmoid" and n_group > 1 and num_experts // n_group < 2:
-            raise ValueError(f"group-limited routing scores each group by its top 2 experts; num_experts={num_experts} "
-                             f"/ n_group={n_group} leaves {num_experts // n_group}; use at least 2 experts per group")
+            raise ValueError(
+                f"group-limited routing scores each group by its top 2 experts; num_experts={num_experts} "
+                f"/ n_group={n_group} leaves {num_experts // n_group}; use at least 2 experts per group"
+            )
         if not 1 <= topk_group <= n_group:
             raise ValueError(f"topk_group={topk_group} must be in [1, n_group={n_group}]")
         selectable = topk_group * (num_experts // n_group)  # experts in the kept groups
         if not 1 <= experts_per_token <= selectable:
-            raise ValueError(f"experts_per_token={experts_per_token} must be in [1, {selectable}]: the experts of "
-                             f"topk_group={topk_group} of n_group={n_group} groups of num_experts={num_experts}")
-        if capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={capacity_factor} must be > 0")
+            raise ValueError(
+                f"experts_per_token={experts_per_token} must be in [1, {selectable}]: the experts of "
+                f"topk_group={topk_group} of n_group={n_group} groups of num_experts={num_experts}"
+            )
         if num_shared_experts < 0:
             raise ValueError(f"num_shared_experts={num_shared_experts} must be >= 0")
         self.num_experts = num_experts
@@ -100,10 +101,9 @@ class MoE(nnx.Module):
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
         self.router_score = router_score
-        self.capacity_factor = capacity_factor
         self.dtype = dtype
         # The router's experts axis stays whole: every token's selection needs all of its scores.
-        self.gate = logical_param(_router_init(rngs.params(), (embed_dim, num_experts), param_dtype), ("embed", None))
+        self.router = logical_param(_router_init(rngs.params(), (embed_dim, num_experts), param_dtype), ("embed", None))
         self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32))
         in_shape, in_axes = (num_experts, embed_dim, moe_mlp_dim), ("experts", "embed", "mlp")
         self.experts_gate = logical_param(_expert_init(rngs.params(), in_shape, param_dtype), in_axes)
@@ -113,15 +113,16 @@ class MoE(nnx.Module):
         )
         self.shared = (
             SwiGLU(embed_dim, moe_mlp_dim * num_shared_experts, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-            if num_shared_experts else None
+            if num_shared_experts
+            else None
         )
 
     def route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens: [tokens, embed] -> (weights [tokens, k] float32, experts [tokens, k] int32), see `_route`."""
-        return self._route(tokens, self.gate[...], self.bias[...])
+        return self._route(tokens, self.router[...], self.bias[...])
 
-    def _route(self, tokens: jax.Array, gate: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens: [tokens, embed], gate [embed, experts], bias [experts] -> (weights [tokens, k] float32, experts
+    def _route(self, tokens: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens: [tokens, embed], router [embed, experts], bias [experts] -> (weights [tokens, k] float32, experts
         [tokens, k] int32).
 
         sigmoid (DeepSeek-V3): experts are chosen by sigmoid scores + bias, groups scored by the sum of their
@@ -130,8 +131,7 @@ class MoE(nnx.Module):
         groups; the weights are the un-biased scores of the chosen experts, renormalised if norm_topk_prob, times
         the scaling factor.
         """
-        logits = jnp.dot(tokens.astype(jnp.float32), gate.astype(jnp.float32),
-                         precision=jax.lax.Precision.HIGHEST)
+        logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         if self.router_score == "softmax":
             scores = choice = jax.nn.softmax(logits, axis=-1)
         else:
@@ -139,8 +139,9 @@ class MoE(nnx.Module):
             choice = scores + bias.astype(jnp.float32)
         if self.n_group > 1:
             grouped = choice.reshape(choice.shape[0], self.n_group, -1)
-            group_scores = (grouped.max(-1) if self.router_score == "softmax"
-                            else jax.lax.top_k(grouped, 2)[0].sum(-1))  # [tokens, n_group]
+            group_scores = (
+                grouped.max(-1) if self.router_score == "softmax" else jax.lax.top_k(grouped, 2)[0].sum(-1)
+            )  # [tokens, n_group]
             kept = jax.nn.one_hot(jax.lax.top_k(group_scores, self.topk_group)[1], self.n_group).sum(-2) > 0
             # Other groups' experts are excluded with -inf, as in transformers 5 and DeepSeek-V3's reference code
             # (transformers 4 filled 0.0, which picks them when every kept biased score is negative; DeepSeek-V2
@@ -159,8 +160,13 @@ class MoE(nnx.Module):
         experts' devices); the shared experts are a SwiGLU with explicit collectives."""
         kernels = tuple(k[...].astype(self.dtype) for k in (self.experts_gate, self.experts_up, self.experts_down))
         y, counts, dropped = parallel.routed_experts(
-            x.astype(self.dtype), self._route, (self.gate[...], self.bias[...]), expert_swiglu, kernels,
-            num_experts=self.num_experts, capacity_factor=self.capacity_factor)
+            x.astype(self.dtype),
+            self._route,
+            (self.router[...], self.bias[...]),
+            expert_swiglu,
+            kernels,
+            num_experts=self.num_experts,
+        )
         if self.shared is not None:
             y = y + self.shared(x)
         return y, {"counts": counts, "dropped": dropped}

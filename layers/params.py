@@ -12,6 +12,11 @@ import jax
 from flax import nnx
 
 
+def normal_param(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int, axes: tuple[str, ...], dtype) -> nnx.Param:
+    """A projection kernel of `shape`, normal with standard deviation 1 / sqrt(fan_in), annotated with `axes`."""
+    return logical_param(jax.nn.initializers.normal(stddev=fan_in**-0.5)(rngs.params(), shape, dtype), axes)
+
+
 def logical_param(value: jax.Array, axes: tuple[str, ...]) -> nnx.Param:
     """Wraps `value` (any shape, one logical axis name per dimension) in an annotated `nnx.Param`."""
     if len(axes) != value.ndim:

@@ -13,14 +13,28 @@ original_max_position_embeddings only when factor is absent). A zero `mscale` st
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-if TYPE_CHECKING:
-    from train.config import RopeScalingConfig
+SCALINGS = ("none", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class RopeScalingConfig:
+    """Rotary-embedding context extension; `type` one of SCALINGS (fields as in Hugging Face)."""
+
+    type: str = "none"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 8192
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 1.0  # yarn
+    mscale_all_dim: float = 0.0  # yarn
 
 
 def _plain_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:
@@ -35,9 +49,7 @@ def _llama3(inv_freq: np.ndarray, scaling: RopeScalingConfig) -> np.ndarray:
     high_freq_wavelen = old_context / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = np.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
-    smooth = (old_context / wavelen - scaling.low_freq_factor) / (
-        scaling.high_freq_factor - scaling.low_freq_factor
-    )
+    smooth = (old_context / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return np.where(is_medium, smoothed, scaled)
@@ -98,7 +110,7 @@ def inverse_frequencies(
     elif kind == "yarn":
         inv_freq, attention_factor = _yarn(head_dim, theta, scaling)
     else:
-        raise ValueError(f"rope scaling type {kind!r} is not one of 'none', 'llama3', 'yarn'")
+        raise ValueError(f"rope scaling type {kind!r} is not one of {', '.join(SCALINGS)}")
     return inv_freq.astype(np.float32), attention_factor
 
 

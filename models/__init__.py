@@ -4,14 +4,15 @@ from __future__ import annotations
 
 from flax import nnx
 
+from models.config import ComputeConfig, ModelConfig
 from models.deepseek import DeepSeek
 from models.llama import Llama
 
 REGISTRY = {"llama": Llama, "deepseek": DeepSeek}
 
 
-def build(config, *, rngs: nnx.Rngs) -> nnx.Module:
-    """Builds the model of `config.family` (a ModelConfig) with fresh parameters."""
+def build(config: ModelConfig, compute: ComputeConfig = ComputeConfig(), *, rngs: nnx.Rngs) -> nnx.Module:
+    """Builds the model of `config.family` with fresh parameters, computing as `compute` says."""
     if config.family not in REGISTRY:
         raise ValueError(f"model.family={config.family!r} is unknown; registered: {', '.join(REGISTRY)}")
-    return REGISTRY[config.family](config, rngs=rngs)
+    return REGISTRY[config.family](config, compute, rngs=rngs)

@@ -1,13 +1,22 @@
-"""What every model family shares around its blocks: default positions, the output kernel and logits.
+"""The decoder every family shares: embedding -> the family's blocks -> final norm -> output head.
 
-A family subclasses `Decoder`, sets `embed` and `head` (None when the embeddings are tied) and defines
-`hidden(tokens, positions, segment_ids) -> (hidden [batch, length, embed], aux dict)`.
+A family subclasses `Decoder`: its `__init__` calls `super().__init__(config, compute, rngs=rngs)` and builds its
+stacks of blocks; it defines `blocks(x, positions, segment_ids) -> (x, aux)` and, when its blocks report
+something to act on after an optimizer step (expert loads), `balance(aux)`.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
+
+import parallel
+from layers.embed import Embed, OutputHead
+from layers.loss import logits
+from layers.norm import RMSNorm
+from models.config import ComputeConfig, ModelConfig
+from models.dtypes import compute_dtype, param_dtype
 
 
 def default_positions(tokens, positions):
@@ -18,14 +27,45 @@ def default_positions(tokens, positions):
 
 
 class Decoder(nnx.Module):
-    """Base of the model families: logits from `hidden` and the (tied or own) output kernel."""
+    """tokens [batch, length] -> hidden [batch, length, embed] -> logits [batch, length, vocab].
 
-    def output_kernel(self):
+    Parameters: embed, final_norm, head (None when the embeddings are tied) and the family's stacks."""
+
+    def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
+        self.config, self.compute = config, compute
+        kw = self.dtypes()
+        self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs, **kw)
+        self.final_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.head = (
+            None
+            if config.tie_embeddings
+            else OutputHead(config.embed_dim, config.vocab_size, rngs=rngs, param_dtype=kw["param_dtype"])
+        )
+
+    def dtypes(self) -> dict:
+        """{param_dtype, dtype} keyword arguments for the layers of this model."""
+        return dict(param_dtype=param_dtype(self.config), dtype=compute_dtype(self.compute))
+
+    def blocks(self, x, positions, segment_ids) -> tuple[jax.Array, dict]:
+        """x [batch, length, embed] through the family's blocks -> (x, aux)."""
+        raise NotImplementedError(f"{type(self).__name__} must define blocks()")
+
+    def hidden(self, tokens, positions=None, segment_ids=None) -> tuple[jax.Array, dict]:
+        """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed], aux)."""
+        positions = default_positions(tokens, positions)
+        x, aux = self.blocks(parallel.residual(self.embed(tokens)), positions, segment_ids)
+        return parallel.shard(self.final_norm(x), ("batch", "length", "embed")), aux
+
+    def output_kernel(self) -> jax.Array:
         """[embed, vocab] matrix mapping hidden states to logits."""
         return self.embed.as_output_kernel() if self.head is None else self.head.output_kernel()
 
-    def __call__(self, tokens, positions=None, segment_ids=None):
-        """-> logits [batch, length, vocab] in float32 (for sampling and reference checks, not the loss)."""
+    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        """-> logits [batch, length, vocab] in float32 (sampling and reference checks; training uses the chunked
+        loss on `hidden` and `output_kernel`)."""
         hidden, _ = self.hidden(tokens, positions, segment_ids)
-        return jnp.einsum("bte,ev->btv", hidden, self.output_kernel().astype(hidden.dtype),
-                          preferred_element_type=jnp.float32)
+        return logits(hidden, self.output_kernel(), compute_dtype(self.compute))
+
+    def balance(self, aux: dict) -> dict:
+        """After an optimizer step: updates what the blocks' aux calls for; returns metrics (none here)."""
+        return {}

@@ -12,35 +12,49 @@ import jax.numpy as jnp
 from flax import nnx
 
 import parallel
-from layers.embed import Embed, OutputHead
 from layers.mla import MLA
 from layers.mlp import SwiGLU
 from layers.moe import MoE, load_imbalance, update_router_bias
 from layers.norm import RMSNorm
-from models.decoder import Decoder, default_positions
-from models.dtypes import compute_dtype, param_dtype
+from models.config import ComputeConfig, ModelConfig
+from models.decoder import Decoder
 from models.stack import make_stack, run_stack
 
 
 class Block(nnx.Module):
     """x + mla(norm(x)), then + (moe or mlp)(norm(x)); x: [batch, length, embed]."""
 
-    def __init__(self, config, *, moe: bool, rngs: nnx.Rngs):
-        kw = dict(param_dtype=param_dtype(config), dtype=compute_dtype(config))
+    def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, **kw):
         self.attn_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
-        self.attn = MLA(config.embed_dim, config.num_heads, q_lora_rank=config.q_lora_rank,
-                        kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
-                        qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-                        rope_theta=config.rope_theta, rope_scaling=config.rope_scaling, rngs=rngs, **kw)
+        self.attn = MLA(
+            config.embed_dim,
+            config.num_heads,
+            q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank,
+            qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+            rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
+            rngs=rngs,
+            **kw,
+        )
         self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
         if moe:
-            self.mlp = MoE(config.embed_dim, num_experts=config.num_experts,
-                           experts_per_token=config.experts_per_token, moe_mlp_dim=config.moe_mlp_dim,
-                           num_shared_experts=config.num_shared_experts, n_group=config.n_group,
-                           topk_group=config.topk_group, norm_topk_prob=config.norm_topk_prob,
-                           routed_scaling_factor=config.routed_scaling_factor,
-                           router_score=config.router_score,
-                           capacity_factor=config.expert_capacity_factor, rngs=rngs, **kw)
+            self.mlp = MoE(
+                config.embed_dim,
+                num_experts=config.num_experts,
+                experts_per_token=config.experts_per_token,
+                moe_mlp_dim=config.moe_mlp_dim,
+                num_shared_experts=config.num_shared_experts,
+                n_group=config.n_group,
+                topk_group=config.topk_group,
+                norm_topk_prob=config.norm_topk_prob,
+                routed_scaling_factor=config.routed_scaling_factor,
+                router_score=config.router_score,
+                rngs=rngs,
+                **kw,
+            )
         else:
             self.mlp = SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
         self.moe = moe
@@ -54,32 +68,33 @@ class Block(nnx.Module):
 
 
 class DeepSeek(Decoder):
-    """tokens [batch, length] -> hidden [batch, length, embed] -> logits [batch, length, vocab]."""
+    """`num_dense_layers` dense blocks, then `num_moe_layers` MoE blocks, between the shared embedding and head."""
 
-    def __init__(self, config, *, rngs: nnx.Rngs):
-        self.config = config
-        kw = dict(param_dtype=param_dtype(config), dtype=compute_dtype(config))
-        num_moe = config.num_layers - config.first_dense_layers if config.num_experts else 0
-        self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs, **kw)
-        self.dense_layers = (make_stack(lambda r: Block(config, moe=False, rngs=r), config.num_layers - num_moe, rngs)
-                             if config.num_layers > num_moe else None)
-        self.moe_layers = make_stack(lambda r: Block(config, moe=True, rngs=r), num_moe, rngs) if num_moe else None
-        self.final_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
-        self.head = None if config.tie_embeddings else OutputHead(config.embed_dim, config.vocab_size, rngs=rngs, **kw)
+    def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
+        super().__init__(config, compute, rngs=rngs)
+        kw = self.dtypes()
+        self.dense_layers = (
+            make_stack(lambda r: Block(config, moe=False, rngs=r, **kw), config.num_dense_layers, rngs)
+            if config.num_dense_layers
+            else None
+        )
+        self.moe_layers = (
+            make_stack(lambda r: Block(config, moe=True, rngs=r, **kw), config.num_moe_layers, rngs)
+            if config.num_moe_layers
+            else None
+        )
 
-    def hidden(self, tokens, positions=None, segment_ids=None):
-        """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed],
-        aux {"expert_counts": [moe layers, experts], "expert_dropped": [moe layers]} float32 (empty without MoE
-        layers))."""
-        positions = default_positions(tokens, positions)
-        x = parallel.residual(self.embed(tokens))
+    def blocks(self, x, positions, segment_ids):
+        """-> (x, aux {"expert_counts": [moe layers, experts], "expert_dropped": [moe layers]} float32, empty
+        without MoE layers)."""
         aux = {}
+        policy = self.compute.remat_policy
         if self.dense_layers is not None:
-            x, _ = run_stack(self.dense_layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
+            x, _ = run_stack(self.dense_layers, x, positions, segment_ids, remat_policy=policy)
         if self.moe_layers is not None:
-            x, stats = run_stack(self.moe_layers, x, positions, segment_ids, remat_policy=self.config.remat_policy)
+            x, stats = run_stack(self.moe_layers, x, positions, segment_ids, remat_policy=policy)
             aux = {"expert_counts": stats["counts"], "expert_dropped": stats["dropped"]}
-        return parallel.shard(self.final_norm(x), ("batch", "length", "embed")), aux
+        return x, aux
 
     def balance(self, aux) -> dict:
         """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate
@@ -89,9 +104,11 @@ class DeepSeek(Decoder):
             return {}
         counts = jax.lax.stop_gradient(aux["expert_counts"])
         bias = self.moe_layers.mlp.bias
-        bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], counts,
-                                                                        self.config.router_bias_rate)
+        bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], counts, self.config.router_bias_rate)
         imbalance = jax.vmap(load_imbalance)(counts)
         dropped = jnp.sum(aux["expert_dropped"]) / jnp.maximum(jnp.sum(counts), 1.0)
-        return {"expert_imbalance": jnp.max(imbalance), "expert_imbalance_mean": jnp.mean(imbalance),
-                "expert_dropped": dropped}
+        return {
+            "expert_imbalance": jnp.max(imbalance),
+            "expert_imbalance_mean": jnp.mean(imbalance),
+            "expert_dropped": dropped,
+        }

@@ -1,4 +1,4 @@
-"""Rematerialisation policies by name (`model.remat_policy`), applied to each scanned block.
+"""Rematerialisation policies by name (`compute.remat_policy`), applied to each scanned block.
 
 What a block keeps from its forward pass for the backward pass:
 
@@ -22,10 +22,12 @@ POLICIES = {
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_projections": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),
     "offload_projections": jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=(), names_which_can_be_offloaded=PROJECTIONS,
-        offload_src="device", offload_dst="pinned_host"),
+        names_which_can_be_saved=(),
+        names_which_can_be_offloaded=PROJECTIONS,
+        offload_src="device",
+        offload_dst="pinned_host",
+    ),
 }
-NAMES = tuple(POLICIES)
 HOST_OFFLOAD = ("offload_projections",)
 
 
@@ -39,11 +41,13 @@ def check_policy(policy: str, platform: str) -> None:
     The CPU backend has no memory apart from the host: XLA drops the offload there, so the saved projections
     would stay where they are and memory numbers would silently be those of save_projections."""
     if policy not in POLICIES:
-        raise RematError(f"model.remat_policy={policy!r} is unknown; choose one of {', '.join(NAMES)}")
+        raise RematError(f"compute.remat_policy={policy!r} is unknown; choose one of {', '.join(POLICIES)}")
     if policy in HOST_OFFLOAD and platform == "cpu":
-        raise RematError(f"model.remat_policy={policy!r} offloads to pinned host memory, which the cpu backend "
-                         f"does not have apart from device memory; run it on GPU or TPU, or choose save_projections "
-                         f"(same activations kept on device) or full (nothing kept)")
+        raise RematError(
+            f"compute.remat_policy={policy!r} offloads to pinned host memory, which the cpu backend "
+            f"does not have apart from device memory; run it on GPU or TPU, or choose save_projections "
+            f"(same activations kept on device) or full (nothing kept)"
+        )
 
 
 def remat(fn, policy: str):

@@ -13,13 +13,16 @@ import jax
 from parallel import plan as plans
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
-from parallel.reorder import STRATEGIES as LAYOUTS
+from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
+__all__ = ["attention", "gather", "plans", "project_scatter", "residual", "routed_experts", "shard"]
 
-def attention(q, k, v, *, segment_ids=None, causal=True, scale=None, mesh=None, strategy=None, axis=None,
-              layout=None, stripe=None):
+
+def attention(
+    q, k, v, *, segment_ids=None, causal=True, scale=None, mesh=None, strategy=None, axis=None, layout=None, stripe=None
+):
     """Attention over the (possibly sharded and reordered) sequence.
 
     q: [batch, length, heads, dqk], k: [batch, length, kv_heads, dqk], v: [batch, length, kv_heads, dv] global
@@ -37,10 +40,20 @@ def attention(q, k, v, *, segment_ids=None, causal=True, scale=None, mesh=None, 
         raise ValueError(f"sequence layout {plan.layout!r} is unknown; available: {', '.join(LAYOUTS)}")
     mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
     if (plan.strategy != "none" or plan.layout != "contiguous") and (mesh is None or mesh.empty):
-        raise ValueError(f"attention strategy {plan.strategy!r} with layout {plan.layout!r} needs a mesh: pass "
-                         f"mesh= or call inside jax.set_mesh(mesh)")
-    return STRATEGIES[plan.strategy](q, k, v, segment_ids=segment_ids, causal=causal,
-                                     scale=q.shape[-1] ** -0.5 if scale is None else scale, plan=plan, mesh=mesh)
+        raise ValueError(
+            f"attention strategy {plan.strategy!r} with layout {plan.layout!r} needs a mesh: pass "
+            f"mesh= or call inside jax.set_mesh(mesh)"
+        )
+    return STRATEGIES[plan.strategy](
+        q,
+        k,
+        v,
+        segment_ids=segment_ids,
+        causal=causal,
+        scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        plan=plan,
+        mesh=mesh,
+    )
 
 
 def shard(x, names):

@@ -16,8 +16,20 @@ from jax import lax
 from parallel.segments import block_summary, visible_blocks
 
 
-def attention(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_index=None, kv_index=None, causal=True,
-              scale=None, block_q=512, block_kv=512):
+def attention(
+    q,
+    k,
+    v,
+    *,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    q_index=None,
+    kv_index=None,
+    causal=True,
+    scale=None,
+    block_q=512,
+    block_kv=512,
+):
     """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
     (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32).
 
@@ -36,27 +48,55 @@ def attention(q, k, v, *, q_segment_ids=None, kv_segment_ids=None, q_index=None,
     q_index = jnp.arange(tq, dtype=jnp.int32) if q_index is None else q_index
     kv_index = jnp.arange(tk, dtype=jnp.int32) if kv_index is None else kv_index
     scale = dqk**-0.5 if scale is None else scale
-    return _attention(q, k, v, q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32),
-                      q_index.astype(jnp.int32), kv_index.astype(jnp.int32), causal, float(scale), block_q, block_kv)
+    return _attention(
+        q,
+        k,
+        v,
+        q_segment_ids.astype(jnp.int32),
+        kv_segment_ids.astype(jnp.int32),
+        q_index.astype(jnp.int32),
+        kv_index.astype(jnp.int32),
+        causal,
+        float(scale),
+        block_q,
+        block_kv,
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _attention(q, k, v, q_seg, kv_seg, q_index, kv_index, causal, scale, block_q, block_kv):
-    return forward(q, k, v, q_seg, kv_seg, q_index, kv_index, causal=causal, scale=scale, block_q=block_q,
-                   block_kv=block_kv)
+    return forward(
+        q, k, v, q_seg, kv_seg, q_index, kv_index, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
+    )
 
 
 def _attention_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, causal, scale, block_q, block_kv):
-    out, lse = forward(q, k, v, q_seg, kv_seg, q_index, kv_index, causal=causal, scale=scale, block_q=block_q,
-                       block_kv=block_kv)
+    out, lse = forward(
+        q, k, v, q_seg, kv_seg, q_index, kv_index, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
+    )
     return (out, lse), (q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse)
 
 
 def _attention_bwd(causal, scale, block_q, block_kv, residuals, cotangents):
     q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, causal=causal,
-                          scale=scale, block_q=block_q, block_kv=block_kv)
+    dq, dk, dv = backward(
+        q,
+        k,
+        v,
+        q_seg,
+        kv_seg,
+        q_index,
+        kv_index,
+        out,
+        lse,
+        dout,
+        dlse,
+        causal=causal,
+        scale=scale,
+        block_q=block_q,
+        block_kv=block_kv,
+    )
     return dq, dk, dv, None, None, None, None
 
 
@@ -99,7 +139,7 @@ def _block_mask(q_seg, kv_seg, q_index, kv_index, causal: bool):
 def _take_block(x, b, i, size):
     """Rows [i*size, (i+1)*size) of batch row b of x: [batch, t, ...] -> [size, ...]."""
     start = (b, i * size) + (0,) * (x.ndim - 2)
-    return lax.dynamic_slice(x, start, (1, size) + x.shape[2:])[0]
+    return lax.dynamic_slice(x, start, (1, size, *x.shape[2:]))[0]
 
 
 def _scores(q_blk, k_blk, scale):
@@ -114,7 +154,7 @@ def forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
     bq, nq = _padded_blocks(tq, block_q)
-    bk, nk = _padded_blocks(tk, block_kv)
+    bk, _ = _padded_blocks(tk, block_kv)
     q, q_seg, q_index = _pad(q, 1, bq), _pad(q_seg, 1, bq), _pad(q_index, 0, bq)
     k, v, kv_seg, kv_index = _pad(k, 1, bk), _pad(v, 1, bk), _pad(kv_seg, 1, bk), _pad(kv_index, 0, bk)
     visible = visible_blocks(block_summary(q_seg, q_index, bq), block_summary(kv_seg, kv_index, bk), causal=causal)
@@ -128,8 +168,13 @@ def forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q
         def update(j, carry):
             row_max, row_sum, acc = carry
             k_blk, v_blk = _take_block(k, b, j, bk), _take_block(v, b, j, bk)
-            mask = _block_mask(q_seg_blk, _take_block(kv_seg, b, j, bk), q_idx_blk,
-                               lax.dynamic_slice_in_dim(kv_index, j * bk, bk), causal)
+            mask = _block_mask(
+                q_seg_blk,
+                _take_block(kv_seg, b, j, bk),
+                q_idx_blk,
+                lax.dynamic_slice_in_dim(kv_index, j * bk, bk),
+                causal,
+            )
             s = jnp.where(mask, _scores(q_blk, k_blk, scale), -jnp.inf)
             new_max = jnp.maximum(row_max, s.max(-1))
             safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -141,8 +186,11 @@ def forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q
         def step(j, carry):
             return lax.cond(visible[b, i, j], functools.partial(update, j), lambda c: c, carry)
 
-        init = (jnp.full((bq, kv_heads, group), -jnp.inf, jnp.float32), jnp.zeros((bq, kv_heads, group), jnp.float32),
-                jnp.zeros((bq, kv_heads, group, dv), jnp.float32))
+        init = (
+            jnp.full((bq, kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((bq, kv_heads, group), jnp.float32),
+            jnp.zeros((bq, kv_heads, group, dv), jnp.float32),
+        )
         row_max, row_sum, acc = lax.fori_loop(first[b, i], last[b, i], step, init)
         seen = row_sum > 0
         out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
@@ -153,8 +201,25 @@ def forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q
     return out.reshape(batch, nq * bq, heads, dv)[:, :tq], lse.reshape(batch, nq * bq, heads)[:, :tq]
 
 
-def backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *, causal, scale, block_q, block_kv,
-             grad_dtype=None):
+def backward(
+    q,
+    k,
+    v,
+    q_seg,
+    kv_seg,
+    q_index,
+    kv_index,
+    out,
+    lse,
+    dout,
+    dlse,
+    *,
+    causal,
+    scale,
+    block_q,
+    block_kv,
+    grad_dtype=None,
+):
     """Gradients (dq, dk, dv) of `forward` given its final out / lse and their cotangents (dlse may be None),
     in `grad_dtype` (default: the dtypes of q, k, v).
 
@@ -163,6 +228,9 @@ def backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *,
     batch, tq, heads, dqk = q.shape
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
+    # d score_ij = p_ij (dp_ij - delta_i) with delta_i = sum_j p_ij dp_ij = dout_i . out_i. When lse is an output
+    # too (a ring step's partial lse feeds the merge), d lse_i / d score_ij = p_ij adds p_ij dlse_i to d score_ij:
+    # the same form with delta_i - dlse_i, so both gradients flow through one pass.
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [batch, tq, heads]
     if dlse is not None:
         delta = delta - dlse
@@ -186,8 +254,13 @@ def backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *,
             do_blk = _take_block(dout, b, i, bq).reshape(bq, kv_heads, group, dv)
             lse_blk = _take_block(lse, b, i, bq).reshape(bq, kv_heads, group, 1)
             delta_blk = _take_block(delta, b, i, bq).reshape(bq, kv_heads, group, 1)
-            mask = _block_mask(_take_block(q_seg, b, i, bq), kv_seg_blk, lax.dynamic_slice_in_dim(q_index, i * bq, bq),
-                               kv_idx_blk, causal)
+            mask = _block_mask(
+                _take_block(q_seg, b, i, bq),
+                kv_seg_blk,
+                lax.dynamic_slice_in_dim(q_index, i * bq, bq),
+                kv_idx_blk,
+                causal,
+            )
             s = _scores(q_blk, k_blk, scale)
             p = jnp.where(mask, jnp.exp(s - jnp.where(jnp.isfinite(lse_blk), lse_blk, 0.0)), 0.0)
             dp = jnp.einsum("qhgd,khd->qhgk", do_blk, v_blk, preferred_element_type=jnp.float32)
@@ -196,8 +269,9 @@ def backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *,
             dq_blk = _take_block(dq, b, i, bq) + dq_blk.reshape(bq, heads, dqk)
             dq = lax.dynamic_update_slice(dq, dq_blk[None], (b, i * bq, 0, 0))
             dk_blk = dk_blk + jnp.einsum("qhgk,qhgd->khd", ds, q_blk, preferred_element_type=jnp.float32) * scale
-            dv_blk = dv_blk + jnp.einsum("qhgk,qhgd->khd", p.astype(dout.dtype), do_blk,
-                                         preferred_element_type=jnp.float32)
+            dv_blk = dv_blk + jnp.einsum(
+                "qhgk,qhgd->khd", p.astype(dout.dtype), do_blk, preferred_element_type=jnp.float32
+            )
             return dq, dk_blk, dv_blk
 
         def step(i, carry):
@@ -211,5 +285,8 @@ def backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *,
     dq, (dk, dv_) = lax.scan(kv_block, dq0, jnp.arange(batch * nk))
     dk = dk.reshape(batch, nk * bk, kv_heads, dqk)[:, :tk]
     dv_ = dv_.reshape(batch, nk * bk, kv_heads, dv)[:, :tk]
-    return (dq[:, :tq].astype(grad_dtype or q.dtype), dk.astype(grad_dtype or k.dtype),
-            dv_.astype(grad_dtype or v.dtype))
+    return (
+        dq[:, :tq].astype(grad_dtype or q.dtype),
+        dk.astype(grad_dtype or k.dtype),
+        dv_.astype(grad_dtype or v.dtype),
+    )

@@ -12,6 +12,7 @@ their kernels are gathered over it, as FSDP gathers any layer. Where the residua
 without scattering), each copy takes its share of the length and the outputs are all-gathered at the end.
 
 Dispatch (plan.expert_dispatch):
+The buffers are sized by factor = plan.expert_capacity (1 = exactly the balanced load).
 - `capacity` (every backend): per (source device, expert) a buffer of C = ceil(factor x tokens x k / experts)
   rows, one tiled all-to-all there and one back, the local experts as batched einsums. Assignments past C, in
   (token, k) order, are dropped (weight zero) and counted.
@@ -19,14 +20,16 @@ Dispatch (plan.expert_dispatch):
   buffer of ceil(factor x tokens x k) rows grouped by expert, and `ragged_dot` over the local experts. Rows that do
   not fit, last experts' last sources first, are dropped and counted. XLA:CPU cannot compile it.
 Without expert-parallel axes (one device, or none divides the experts), every device runs all experts on its own
-tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens pass through in chunks of at most plan.expert_chunk tokens (a scan with remat), so
-the dispatch scratch does not grow with the local sequence.
+tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens
+pass through in chunks of at most plan.expert_chunk tokens (a scan with remat), so the dispatch scratch does not
+grow with the local sequence.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -56,8 +59,9 @@ def receive_rows(tokens: int, k: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * k))
 
 
-def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, kernels, *, num_experts: int,
-                   capacity_factor: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def routed_experts(
+    x: jax.Array, route: Route, route_params, ffn: Ffn, kernels, *, num_experts: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Routed experts of the tokens x [batch, length, embed] (residual stream layout).
 
     route(tokens [n, embed], *route_params) -> (weights [n, k] float32, experts [n, k] int32) runs on each device's
@@ -72,8 +76,9 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, kernels, 
     layout = _token_layout(mesh, x.shape)
     if layout is None:  # one device, or a shape that does not split (e.g. a sampled prompt): placed by the partitioner
         tokens = x.reshape(-1, x.shape[-1])
-        y, counts, dropped = _chunked(tokens, plan.expert_chunk,
-                                      lambda t: _dropless(t, route(t, *route_params), ffn, kernels, num_experts))
+        y, counts, dropped = _chunked(
+            tokens, plan.expert_chunk, lambda t: _dropless(t, route(t, *route_params), ffn, kernels, num_experts)
+        )
         return y.reshape(x.shape), counts.astype(jnp.float32), dropped.astype(jnp.float32)
     spec, token_axes, replicated = layout
     shares = math.prod(mesh.shape[a] for a in replicated)
@@ -91,16 +96,16 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, kernels, 
             assignment = route(t, *route_params)
             if not axes:
                 return _dropless(t, assignment, ffn, kernels, num_experts)
-            return dispatch(t, assignment, ffn, kernels, num_experts, capacity_factor, axes)
+            return dispatch(t, assignment, ffn, kernels, num_experts, plan.expert_capacity, axes)
 
         y, counts, dropped = _chunked(tokens, plan.expert_chunk, one_chunk)
         counts, dropped = jax.lax.psum((counts, dropped), token_axes + replicated)
         return y.reshape(x.shape), counts.astype(jnp.float32), dropped.astype(jnp.float32)
 
     specs = (spec, PartitionSpec(), PartitionSpec(axes or None))
-    y, counts, dropped = jax.shard_map(local, mesh=mesh, in_specs=specs, check_vma=True,
-                                       out_specs=(out_spec, PartitionSpec(), PartitionSpec()))(
-        x, tuple(route_params), tuple(kernels))
+    y, counts, dropped = jax.shard_map(
+        local, mesh=mesh, in_specs=specs, check_vma=True, out_specs=(out_spec, PartitionSpec(), PartitionSpec())
+    )(x, tuple(route_params), tuple(kernels))
     return jax.lax.with_sharding_constraint(y, spec), counts, dropped
 
 
@@ -177,8 +182,9 @@ def _capacity(tokens, assignment, ffn, kernels, num_experts, factor, axes):
     _, position, counts = _sort_by_expert(experts, num_experts)
     rank = position - (jnp.cumsum(counts) - counts)[flat]  # place among the same expert's assignments
     slot = jnp.where(rank < cap, flat * cap + rank, num_experts * cap)  # past the buffer = dropped
-    filler = jnp.full((num_experts * cap,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32),
-                                                                           mode="drop")
+    filler = (
+        jnp.full((num_experts * cap,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32), mode="drop")
+    )
     buffer = jnp.take(tokens, filler // k, axis=0, mode="fill", fill_value=0)  # [experts x cap, embed]
     ep = jax.lax.axis_size(axes)
     local = num_experts // ep
@@ -217,9 +223,15 @@ def ragged_layout(table: jax.Array, me, rows: int) -> RaggedLayout:
     def mine(a):  # [source, expert] -> [source x local expert] of the experts on device `me`
         return jax.lax.dynamic_slice_in_dim(a, me * local, local, axis=1).reshape(-1)
 
-    return RaggedLayout(send_offsets=sorted_start[me], send_sizes=allowed[me], remote_offsets=landing[me],
-                        recv_sizes=mine(allowed), recv_offsets=mine(landing), home_offsets=mine(sorted_start),
-                        group_sizes=mine(allowed).reshape(devices, local).sum(0))
+    return RaggedLayout(
+        send_offsets=sorted_start[me],
+        send_sizes=allowed[me],
+        remote_offsets=landing[me],
+        recv_sizes=mine(allowed),
+        recv_offsets=mine(landing),
+        home_offsets=mine(sorted_start),
+        group_sizes=mine(allowed).reshape(devices, local).sum(0),
+    )
 
 
 def _ragged(tokens, assignment, ffn, kernels, num_experts, factor, axes):
@@ -232,11 +244,25 @@ def _ragged(tokens, assignment, ffn, kernels, num_experts, factor, axes):
     rows = receive_rows(n, k, factor)
     layout = ragged_layout(table, jax.lax.axis_index(axes), rows)
     sent = jnp.take(tokens, order // k, axis=0)  # [n * k, embed] sorted by expert, so by device
-    received = jax.lax.ragged_all_to_all(sent, jnp.zeros((rows, d), sent.dtype), layout.send_offsets,
-                                         layout.send_sizes, layout.remote_offsets, layout.recv_sizes, axis_name=axes)
+    received = jax.lax.ragged_all_to_all(
+        sent,
+        jnp.zeros((rows, d), sent.dtype),
+        layout.send_offsets,
+        layout.send_sizes,
+        layout.remote_offsets,
+        layout.recv_sizes,
+        axis_name=axes,
+    )
     out = ffn(received, *kernels, group_sizes=layout.group_sizes)
     out = jnp.where(jnp.arange(rows)[:, None] < layout.group_sizes.sum(), out, 0)  # rows past the groups: padding
-    back = jax.lax.ragged_all_to_all(out, jnp.zeros_like(sent), layout.recv_offsets, layout.recv_sizes,
-                                     layout.home_offsets, layout.send_sizes, axis_name=axes)
+    back = jax.lax.ragged_all_to_all(
+        out,
+        jnp.zeros_like(sent),
+        layout.recv_offsets,
+        layout.recv_sizes,
+        layout.home_offsets,
+        layout.send_sizes,
+        axis_name=axes,
+    )
     y = _combine(back, position.reshape(n, k), weights, tokens.dtype)  # dropped rows came back as zeros
     return y, counts, jnp.sum(counts - layout.send_sizes)

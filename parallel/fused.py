@@ -12,9 +12,18 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 def usable(q, k, v, *, segment_ids, contiguous: bool, enabled: bool) -> bool:
     """Whether `attention` may replace the blockwise kernel for these inputs on the current backend."""
-    return (enabled and jax.default_backend() == "gpu" and contiguous and segment_ids is None
-            and q.dtype in SUPPORTED_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-            and k.shape[-1] == v.shape[-1] and q.shape[-1] <= 256 and q.shape[1] == k.shape[1])
+    return (
+        enabled
+        and jax.default_backend() == "gpu"
+        and contiguous
+        and segment_ids is None
+        and q.dtype in SUPPORTED_DTYPES
+        and k.dtype == q.dtype
+        and v.dtype == q.dtype
+        and k.shape[-1] == v.shape[-1]
+        and q.shape[-1] <= 256
+        and q.shape[1] == k.shape[1]
+    )
 
 
 def attention(q, k, v, *, causal: bool, scale: float, implementation: str = "cudnn"):

@@ -1,8 +1,9 @@
 """Device mesh from config and the one table mapping logical axis names to mesh axes.
 
 Axes: data, fsdp, expert, context, ulysses, tensor (ulysses inside context, so Ulysses all-to-alls stay between
-neighbouring devices; expert shards the experts and, for everything else, the batch). Written for multi-host: after `jax.distributed.initialize()`,
-`jax.devices()` lists every host's devices and the same code builds the global mesh.
+neighbouring devices; expert shards the experts and, for everything else, the batch). Written for multi-host:
+after `jax.distributed.initialize()`, `jax.devices()` lists every host's devices and the same code builds the
+global mesh.
 """
 
 from __future__ import annotations
@@ -50,8 +51,10 @@ def mesh_shape(sizes: dict[str, int], num_devices: int) -> dict[str, int]:
             raise MeshError(f"mesh {sizes}: {num_devices} devices are not divisible by the fixed axes' product {fixed}")
         resolved[fills[0]] = num_devices // fixed
     if math.prod(resolved.values()) != num_devices:
-        raise MeshError(f"mesh {sizes} uses {math.prod(resolved.values())} devices but {num_devices} are available; "
-                        f"make the product of mesh sizes equal {num_devices} or set one axis to -1")
+        raise MeshError(
+            f"mesh {sizes} uses {math.prod(resolved.values())} devices but {num_devices} are available; "
+            f"make the product of mesh sizes equal {num_devices} or set one axis to -1"
+        )
     return resolved
 
 
@@ -69,8 +72,11 @@ def logical_spec(names, mesh: Mesh | None = None, shape: tuple[int, ...] | None 
     used: set[str] = set()
     spec = []
     for dim, name in enumerate(names):
-        axes = tuple(a for a in LOGICAL_RULES.get(name, ()) if name is not None and a not in used
-                     and (mesh is None or mesh.shape.get(a, 1) > 1))
+        axes = tuple(
+            a
+            for a in LOGICAL_RULES.get(name, ())
+            if name is not None and a not in used and (mesh is None or mesh.shape.get(a, 1) > 1)
+        )
         if shape is not None and mesh is not None:
             kept, parts = [], 1
             for axis in axes:
@@ -99,9 +105,16 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "length"), mesh))
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """How many pieces the batch axis is split into: the product of the mesh axes of the `batch` rule."""
+    return math.prod(mesh.shape.get(axis, 1) for axis in LOGICAL_RULES["batch"])
+
+
 def check_batch(batch_size: int, accum_steps: int, mesh: Mesh) -> None:
-    """Each micro-batch (batch_size / accum_steps rows) must split evenly over data x fsdp x expert."""
-    shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape.get("expert", 1)
+    """Each micro-batch (batch_size / accum_steps rows) must split evenly over the batch axes."""
+    shards = batch_shards(mesh)
     if (batch_size // accum_steps) % shards:
-        raise MeshError(f"train.batch_size={batch_size} / train.grad_accum_steps={accum_steps} must be divisible "
-                        f"by mesh data x fsdp x expert = {shards}")
+        raise MeshError(
+            f"train.batch_size={batch_size} / train.grad_accum_steps={accum_steps} must be divisible "
+            f"by mesh {' x '.join(LOGICAL_RULES['batch'])} = {shards}"
+        )

@@ -16,14 +16,15 @@ from jax.sharding import Mesh
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionPlan:
+class Plan:
     """strategy: a name in parallel.strategies.STRATEGIES; axis: mesh axis the sequence is sharded over (usp:
     (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
     parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
     block_kv: blockwise kernel block sizes; fused: use cuDNN on GPU where it applies (parallel/fused.py);
     scatter: scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
-    expert_dispatch: capacity or ragged (parallel/experts.py); expert_chunk: at most this many tokens per device
-    pass through an MoE block at once (0 = all)."""
+    expert_dispatch: capacity or ragged (parallel/experts.py); expert_capacity: dispatch buffer rows per expert /
+    its balanced load; expert_chunk: at most this many tokens per device pass through an MoE block at once
+    (0 = all)."""
 
     strategy: str = "none"
     axis: str | tuple[str, str] = "context"
@@ -35,19 +36,20 @@ class AttentionPlan:
     fused: bool = True
     scatter: bool = True
     expert_dispatch: str = "capacity"
+    expert_capacity: float = 1.25
     expert_chunk: int = 0
 
 
-_CURRENT = contextvars.ContextVar("attention_plan", default=AttentionPlan())
+_CURRENT = contextvars.ContextVar("plan", default=Plan())
 
 
-def current() -> AttentionPlan:
+def current() -> Plan:
     """The plan installed by the innermost `use`, else the default (single-device, contiguous)."""
     return _CURRENT.get()
 
 
 @contextlib.contextmanager
-def use(plan: AttentionPlan):
+def use(plan: Plan):
     """Installs `plan` for attention calls traced inside the block."""
     token = _CURRENT.set(plan)
     try:

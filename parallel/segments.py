@@ -71,8 +71,10 @@ def _row_seqlens_offsets(q_seg, kv_seg, q_pos, kv_pos, num_segments: int, mask: 
         q_vis = kv_span[q_seg] <= q_pos - q_hi[q_seg]
         # the last query (shifted 0) sees every key, whose shifted position is <= 0
         kv_vis = q_has[kv_seg]
-    return (*_count_first(q_vis & (q_seg > 0), q_seg, num_segments),
-            *_count_first(kv_vis & (kv_seg > 0), kv_seg, num_segments))
+    return (
+        *_count_first(q_vis & (q_seg > 0), q_seg, num_segments),
+        *_count_first(kv_vis & (kv_seg > 0), kv_seg, num_segments),
+    )
 
 
 def _count_first(visible, seg, num_segments: int):
@@ -83,8 +85,9 @@ def _count_first(visible, seg, num_segments: int):
     return count, jnp.where(count > 0, first, -1)
 
 
-def seqlens_offsets(q_segment_ids, kv_segment_ids, q_positions, kv_positions, *, max_segments: int,
-                    mask: str = "causal"):
+def seqlens_offsets(
+    q_segment_ids, kv_segment_ids, q_positions, kv_positions, *, max_segments: int, mask: str = "causal"
+):
     """Per-segment visible token counts and first indices, in O(T + S) memory per row.
 
     q_segment_ids, q_positions: [batch, Tq] int32; kv_segment_ids, kv_positions: [batch, Tk] int32, with
@@ -102,6 +105,7 @@ def seqlens_offsets(q_segment_ids, kv_segment_ids, q_positions, kv_positions, *,
         return jnp.where((seg > 0) & (seg < num_segments), seg, 0)
 
     row = jax.vmap(lambda *a: _row_seqlens_offsets(*a, num_segments, mask))
-    q_len, q_off, kv_len, kv_off = row(valid(q_segment_ids), valid(kv_segment_ids),
-                                       q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32))
+    q_len, q_off, kv_len, kv_off = row(
+        valid(q_segment_ids), valid(kv_segment_ids), q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32)
+    )
     return q_len, kv_len, q_off, kv_off

@@ -72,13 +72,18 @@ class Tokens:
         size, tp = kernel.shape[axis], tensor_size()
         if size % tp:
             if not repeat:
-                raise ValueError(f"dimension {split!r} of size {size} of {equation!r} does not split over "
-                                 f"mesh.tensor={tp}; make it divisible by {tp}")
+                raise ValueError(
+                    f"dimension {split!r} of size {size} of {equation!r} does not split over "
+                    f"mesh.tensor={tp}; make it divisible by {tp}"
+                )
             kernel = jnp.repeat(kernel, tp // math.gcd(size, tp), axis=axis)
         g = _free_letter(equation)
         kernel = _split_axis(kernel, axis, self.groups)
-        y = jnp.einsum(f"{g}{x_letters},{k_letters.replace(split, g + split)}->{out.replace(split, g + split)}",
-                       self.grouped, kernel)
+        y = jnp.einsum(
+            f"{g}{x_letters},{k_letters.replace(split, g + split)}->{out.replace(split, g + split)}",
+            self.grouped,
+            kernel,
+        )
         return _merge_axis(y, out.index(split))
 
     def per_head(self, num_heads: int) -> jax.Array:
@@ -130,8 +135,9 @@ def project_scatter(equation: str, x: jax.Array, kernel: jax.Array, split: str) 
     g = _free_letter(equation)
     x = _split_axis(x, x_letters.index(split), tp)
     kernel = _split_axis(kernel, k_letters.index(split), tp)
-    partial = jnp.einsum(f"{x_letters.replace(split, g + split)},{k_letters.replace(split, g + split)}->{g}{out}",
-                         x, kernel)  # [group, batch, length, ...]: one partial sum per tensor rank
+    partial = jnp.einsum(
+        f"{x_letters.replace(split, g + split)},{k_letters.replace(split, g + split)}->{g}{out}", x, kernel
+    )  # [group, batch, length, ...]: one partial sum per tensor rank
     scattered, gathered = token_specs(partial.ndim - 1)
 
     def local(piece):
@@ -147,9 +153,9 @@ def _free_letter(equation: str) -> str:
 
 def _split_axis(x: jax.Array, axis: int, parts: int) -> jax.Array:
     """Splits dimension `axis` into (parts, size / parts)."""
-    return x.reshape(*x.shape[:axis], parts, x.shape[axis] // parts, *x.shape[axis + 1:])
+    return x.reshape(*x.shape[:axis], parts, x.shape[axis] // parts, *x.shape[axis + 1 :])
 
 
 def _merge_axis(x: jax.Array, axis: int) -> jax.Array:
     """Merges dimensions (axis, axis + 1) back into one."""
-    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])

@@ -37,8 +37,10 @@ def plan_device_count(mesh, devices: int | None) -> int:
         return devices
     fills = [name for name in AXES if getattr(mesh, name) == -1]
     if fills:
-        raise ConfigError(f"mesh.{fills[0]}=-1 takes the remaining devices: give --devices N (how many to plan for) "
-                          f"or set every mesh size")
+        raise ConfigError(
+            f"mesh.{fills[0]}=-1 takes the remaining devices: give --devices N (how many to plan for) "
+            f"or set every mesh size"
+        )
     return math.prod(getattr(mesh, name) for name in AXES)
 
 
@@ -57,28 +59,45 @@ def plan(config, devices: int | None, memory: int | None) -> int:
     count = plan_device_count(config.mesh, devices)
     simulate_cpu_devices(count)
     if jax.device_count() < count:
-        raise MeshError(f"the plan needs {count} devices but JAX started with {jax.device_count()} before --devices "
-                        f"could take effect")
+        raise MeshError(
+            f"the plan needs {count} devices but JAX started with {jax.device_count()} before --devices "
+            f"could take effect"
+        )
     result = plan_memory(config, jax.devices()[:count])
     print(format_plan(result, memory), flush=True)
     return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("config", help="YAML run config, e.g. configs/tiny.yaml")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=100 data.seq_len=512")
-    parser.add_argument("--distributed", action="store_true",
-                        help="multi-host: call jax.distributed.initialize() (cluster found from SLURM, Open MPI, "
-                             "TPU or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)")
-    parser.add_argument("--plan", action="store_true",
-                        help="train nothing: compile the train step on abstract shapes and print the memory per "
-                             f"device (exit status {DOES_NOT_FIT} when it does not fit --device-memory)")
-    parser.add_argument("--devices", type=int, metavar="N",
-                        help="with --plan: simulate N CPU devices (default: the product of the mesh sizes)")
-    parser.add_argument("--device-memory", type=device_memory, metavar="SIZE",
-                        help="with --plan: memory of one device (80GiB, 80GB, 141e9); says whether the step fits")
+    parser.add_argument(
+        "--distributed",
+        action="store_true",
+        help="multi-host: call jax.distributed.initialize() (cluster found from SLURM, Open MPI, "
+        "TPU or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)",
+    )
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="train nothing: compile the train step on abstract shapes and print the memory per "
+        f"device (exit status {DOES_NOT_FIT} when it does not fit --device-memory)",
+    )
+    parser.add_argument(
+        "--devices",
+        type=int,
+        metavar="N",
+        help="with --plan: simulate N CPU devices (default: the product of the mesh sizes)",
+    )
+    parser.add_argument(
+        "--device-memory",
+        type=device_memory,
+        metavar="SIZE",
+        help="with --plan: memory of one device (80GiB, 80GB, 141e9); says whether the step fits",
+    )
     args = parser.parse_intermixed_args(argv)
     if not args.plan and (args.devices is not None or args.device_memory is not None):
         parser.error("--devices and --device-memory go with --plan")
@@ -92,7 +111,7 @@ def main(argv=None) -> int:
             return plan(config, args.devices, args.device_memory)
         if args.distributed:
             jax.distributed.initialize()
-        check_policy(config.model.remat_policy, jax.default_backend())
+        check_policy(config.compute.remat_policy, jax.default_backend())
         from train.loop import run
 
         run(config)

@@ -21,16 +21,27 @@ Everything runs in this process (a few reader threads, one prefetch thread); no 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grain
 import numpy as np
 
-from train.config import DataConfig
+from train.errors import DataError
 from train.sources import Source, open_source
 from train.tokenizer import Tokenizer
 
+if TYPE_CHECKING:  # the run config imports this module's registries
+    from train.config.schema import DataConfig
+
 PACKINGS = ("concat", "first_fit")
+# the arrays of a batch, each [rows, seq_len], and their dtypes
+BATCH_FIELDS = {
+    "tokens": np.int32,
+    "targets": np.int32,
+    "segment_ids": np.int32,
+    "positions": np.int32,
+    "loss_mask": np.float32,
+}
 SPLITS = ("train", "eval")
 MIN_PACKING_BINS = 16  # first_fit packs into max(batch_size, this) rows at a time
 READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)  # document read + tokenize
@@ -77,7 +88,7 @@ class _Pieces(grain.experimental.FlatMapTransform):
 
     def flat_map(self, example: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
         return [
-            {key: value[start:start + self.seq_len] for key, value in example.items()}
+            {key: value[start : start + self.seq_len] for key, value in example.items()}
             for start in range(0, len(example["inputs"]), self.seq_len)
         ]
 
@@ -105,13 +116,14 @@ def _model_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]
     """Packer row -> the batch fields of the module docstring, each [seq_len]."""
     segment_ids = row["inputs_segment_ids"].astype(np.int32)
     real = segment_ids > 0
-    return {
-        "tokens": np.where(real, row["inputs"], pad_id).astype(np.int32),
-        "targets": np.where(real, row["targets"], pad_id).astype(np.int32),
+    fields = {
+        "tokens": np.where(real, row["inputs"], pad_id),
+        "targets": np.where(real, row["targets"], pad_id),
         "segment_ids": segment_ids,
-        "positions": row["inputs_positions"].astype(np.int32),
-        "loss_mask": real.astype(np.float32),
+        "positions": row["inputs_positions"],
+        "loss_mask": real,
     }
+    return {key: fields[key].astype(dtype) for key, dtype in BATCH_FIELDS.items()}
 
 
 def _to_json(state: Any) -> Any:
@@ -197,9 +209,11 @@ def build_dataset(
     train_idx, eval_idx = split_indices(len(source), cfg.eval_fraction, cfg.seed)
     doc_indices = train_idx if split == "train" else eval_idx
     if len(doc_indices) == 0:
-        raise ValueError(f"split={split!r} has no documents: {len(source)} documents in data.source="
-                         f"{cfg.source!r} with data.eval_fraction={cfg.eval_fraction}; eval needs "
-                         f"data.eval_fraction > 0 and at least 2 documents")
+        raise DataError(
+            f"split={split!r} has no documents: {len(source)} documents in data.source="
+            f"{cfg.source!r} with data.eval_fraction={cfg.eval_fraction}; eval needs "
+            f"data.eval_fraction > 0 and at least 2 documents"
+        )
 
     docs = grain.MapDataset.source(doc_indices)
     if split == "train" and cfg.shuffle:
@@ -207,14 +221,18 @@ def build_dataset(
         docs = docs.shuffle(seed=int(np.random.SeedSequence(cfg.seed).generate_state(1)[0]))
     docs = docs.repeat(num_epochs)[shard_index::shard_count]
     if len(docs) == 0:
-        raise ValueError(f"shard_index={shard_index} of shard_count={shard_count} gets no documents from "
-                         f"the {len(doc_indices)} documents of split={split!r}")
+        raise DataError(
+            f"shard_index={shard_index} of shard_count={shard_count} gets no documents from "
+            f"the {len(doc_indices)} documents of split={split!r}"
+        )
     examples = docs.map(_Tokenize(source, tokenizer, cfg.add_bos, cfg.add_eos)).filter(_has_input)
 
-    rows = pack(examples.to_iter_dataset(READ_OPTIONS), seq_len=cfg.seq_len, packing=cfg.packing,
-                num_bins=max(batch_size, MIN_PACKING_BINS))
-    batches = rows.map(functools.partial(_model_row, pad_id=tokenizer.pad_id)).batch(
-        batch_size, drop_remainder=True
+    rows = pack(
+        examples.to_iter_dataset(READ_OPTIONS),
+        seq_len=cfg.seq_len,
+        packing=cfg.packing,
+        num_bins=max(batch_size, MIN_PACKING_BINS),
     )
+    batches = rows.map(functools.partial(_model_row, pad_id=tokenizer.pad_id)).batch(batch_size, drop_remainder=True)
     batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=PREFETCH_BATCHES)
     return _JsonStateIterDataset(batches)

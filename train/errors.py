@@ -3,3 +3,7 @@
 
 class NonFiniteLoss(RuntimeError):
     """The loss became NaN or infinite; the run stops without saving the bad state."""
+
+
+class DataError(ValueError):
+    """The configured data cannot be read or holds no documents (names the file or setting and what is wrong)."""

@@ -9,9 +9,17 @@ import jax.numpy as jnp
 
 # dense bf16 peak FLOP/s per device by `device_kind` prefix
 PEAK_FLOPS = {
-    "NVIDIA H200": 989e12, "NVIDIA H100": 989e12, "NVIDIA A100": 312e12, "NVIDIA L4": 121e12,
-    "NVIDIA B200": 2250e12, "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+    "NVIDIA H200": 989e12,
+    "NVIDIA H100": 989e12,
+    "NVIDIA A100": 312e12,
+    "NVIDIA L4": 121e12,
+    "NVIDIA B200": 2250e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
 }
 
 
@@ -24,20 +32,26 @@ def _attention_params(config) -> int:
         query = config.embed_dim * config.q_lora_rank + config.q_lora_rank * config.num_heads * qk
     else:
         query = config.embed_dim * config.num_heads * qk
-    kv = (config.embed_dim * (config.kv_lora_rank + config.qk_rope_head_dim)
-          + config.kv_lora_rank * config.num_heads * (config.qk_nope_head_dim + config.v_head_dim))
+    kv = config.embed_dim * (config.kv_lora_rank + config.qk_rope_head_dim) + config.kv_lora_rank * config.num_heads * (
+        config.qk_nope_head_dim + config.v_head_dim
+    )
     return query + kv + config.num_heads * config.v_head_dim * config.embed_dim
 
 
 def matmul_params(config) -> int:
     """Parameters used in matmuls per token: attention, the MLP or the active experts (top-k routed plus shared,
     and the router) of all layers, and the output head."""
-    moe_layers = config.num_layers - config.first_dense_layers if config.num_experts else 0
     dense = 3 * config.embed_dim * config.mlp_dim
-    moe = (3 * config.embed_dim * config.moe_mlp_dim * (config.experts_per_token + config.num_shared_experts)
-           + config.embed_dim * config.num_experts)
-    return (config.num_layers * _attention_params(config) + (config.num_layers - moe_layers) * dense
-            + moe_layers * moe + config.embed_dim * config.vocab_size)
+    moe = (
+        3 * config.embed_dim * config.moe_mlp_dim * (config.experts_per_token + config.num_shared_experts)
+        + config.embed_dim * config.num_experts
+    )
+    return (
+        config.num_layers * _attention_params(config)
+        + config.num_dense_layers * dense
+        + config.num_moe_layers * moe
+        + config.embed_dim * config.vocab_size
+    )
 
 
 def flops_per_token(config, seq_len: int) -> float:

@@ -17,10 +17,10 @@ import jax
 import numpy as np
 import yaml
 
-from parallel.context import attention_plan, check_context, to_layout
+from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.checkpoint import Checkpointer, restore_model_params
-from train.config import RUNTIME_FIELDS, Config, ConfigError, to_dict
+from train.config import Config, ConfigError, to_dict
 from train.data import build_dataset
 from train.errors import NonFiniteLoss
 from train.flops import flops_per_token, peak_flops_per_device
@@ -50,20 +50,20 @@ class Stop:
             signal.signal(sig, handler)
 
 
-
-
 def check_run_directory(output: pathlib.Path, config: Config) -> None:
-    """A run directory belongs to one model: resuming with another architecture is refused, not overwritten."""
+    """A run directory belongs to one model: resuming with another architecture is refused, not overwritten
+    (how it computes, the `compute` section, may change)."""
     saved = output / "config.yaml"
     if saved.exists():
         previous = yaml.safe_load(saved.read_text()).get("model")
         current = to_dict(config)["model"]
-        changed = sorted(k for k in current if k not in RUNTIME_FIELDS
-                         and (previous is None or previous.get(k) != current[k]))
+        changed = sorted(k for k in current if previous is None or previous.get(k) != current[k])
         if changed:
-            raise ConfigError(f"train.output_dir={str(output)!r} holds a run of a different model (model.{changed[0]}"
-                              f" was {None if previous is None else previous.get(changed[0])!r}, now "
-                              f"{current[changed[0]]!r}); choose a new train.output_dir")
+            raise ConfigError(
+                f"train.output_dir={str(output)!r} holds a run of a different model (model.{changed[0]}"
+                f" was {None if previous is None else previous.get(changed[0])!r}, now "
+                f"{current[changed[0]]!r}); choose a new train.output_dir"
+            )
 
 
 def global_batch(local: dict, sharding) -> dict:
@@ -76,18 +76,23 @@ def run(config: Config) -> dict:
     t, output = config.train, pathlib.Path(config.train.output_dir)
     tokenizer = make_tokenizer(config.data.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
-                          f"model.vocab_size={config.model.vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}")
+        raise ConfigError(
+            f"tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={config.model.vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}"
+        )
     local_rows = t.batch_size // jax.process_count()
     source = open_source(config.data)  # opened and indexed once for both splits; fails early on bad data
-    data_kw = dict(batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count(),
-                   source=source)
-    datasets = {split: build_dataset(config.data, tokenizer, split=split, **data_kw)
-                for split in (("train", "eval") if t.eval_batches else ("train",))}
+    data_kw = dict(
+        batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count(), source=source
+    )
+    datasets = {
+        split: build_dataset(config.data, tokenizer, split=split, **data_kw)
+        for split in (("train", "eval") if t.eval_batches else ("train",))
+    }
     mesh = make_mesh(config.mesh)
     check_batch(t.batch_size, t.grad_accum_steps, mesh)
     check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
-    plan = attention_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
+    plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
     check_run_directory(output, config)
     output.mkdir(parents=True, exist_ok=True)
     main_process = jax.process_index() == 0
@@ -96,28 +101,42 @@ def run(config: Config) -> dict:
 
     train_iter = iter(datasets["train"])
     tx = make_optimizer(config.optimizer, t.steps)
-    graphdef, abstract, shardings = abstract_state(config.model, tx, mesh)
-    checkpoints = Checkpointer(output / "checkpoints", keep=config.checkpoint.keep,
-                               async_save=config.checkpoint.async_save) if config.checkpoint.enabled else None
+    graphdef, abstract, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
+    checkpoints = (
+        Checkpointer(output / "checkpoints", keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+        if config.checkpoint.enabled
+        else None
+    )
     restored = checkpoints.restore_latest(abstract, train_iter) if checkpoints else None
     if restored:
         start, state = restored
         train_state = TrainState(graphdef, state, shardings)
         log.info("resumed from step %d", start)
     else:
-        start, train_state = 0, create_state(config.model, tx, mesh, t.seed)
+        start, train_state = 0, create_state(config.model, tx, mesh, t.seed, compute=config.compute)
         if config.checkpoint.init_from:
             params = restore_model_params(config.checkpoint.init_from, abstract[0])
             train_state.state[0] = params
     with jax.set_mesh(mesh):
-        return _loop(config, train_state, mesh, plan, train_iter, datasets.get("eval"), checkpoints, start,
-                     tokenizer, main_process)
+        return _loop(
+            config,
+            train_state,
+            mesh,
+            plan,
+            train_iter,
+            datasets.get("eval"),
+            checkpoints,
+            start,
+            tokenizer,
+            main_process,
+        )
 
 
-def _loop(config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints, start, tokenizer,
-          main_process) -> dict:
+def _loop(
+    config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints, start, tokenizer, main_process
+) -> dict:
     t, output = config.train, pathlib.Path(config.train.output_dir)
-    chunk = config.model.loss_chunk_size
+    chunk = config.compute.loss_chunk_size
     train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps, plan=plan)
     eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan)
     sharding = batch_sharding(mesh)
@@ -131,8 +150,9 @@ def _loop(config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints
     model_flops = flops_per_token(config.model, config.data.seq_len)
     peak = peak_flops_per_device(t.peak_tflops_per_device) * jax.device_count()
     meta = {"config": to_dict(config)}
-    logger = MetricsLogger(output, total_steps=t.steps, start_step=start, progress_bar=t.progress_bar,
-                           enabled=main_process)
+    logger = MetricsLogger(
+        output, total_steps=t.steps, start_step=start, progress_bar=t.progress_bar, enabled=main_process
+    )
     stop = Stop()
     window = {"start": None, "steps": 0}
     last: dict = {}
@@ -148,7 +168,7 @@ def _loop(config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints
     def wants_eval(step: int) -> bool:
         if not t.eval_batches:
             return False
-        return step == t.steps or bool(t.eval_every_steps) and step % t.eval_every_steps == 0
+        return step == t.steps or (bool(t.eval_every_steps) and step % t.eval_every_steps == 0)
 
     def record(step: int, metrics: dict, eval_state=None) -> None:
         """Checks the loss is finite; at log steps writes metrics (with eval_loss when eval_state is given)."""
@@ -158,10 +178,12 @@ def _loop(config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints
             if checkpoints:
                 checkpoints.wait()
             kept = checkpoints.manager.latest_step() if checkpoints else None
-            raise NonFiniteLoss(f"loss is {values['loss']} at step {step} (grad_norm {values['grad_norm']}); "
-                                f"stopped without saving this state. Last good checkpoint: "
-                                f"{'none' if kept is None else f'step {kept}'} in {output / 'checkpoints'}. "
-                                f"Try a lower optimizer.learning_rate or optimizer.clip_norm > 0.")
+            raise NonFiniteLoss(
+                f"loss is {values['loss']} at step {step} (grad_norm {values['grad_norm']}); "
+                f"stopped without saving this state. Last good checkpoint: "
+                f"{'none' if kept is None else f'step {kept}'} in {output / 'checkpoints'}. "
+                f"Try a lower optimizer.learning_rate or optimizer.clip_norm > 0."
+            )
         now = time.perf_counter()
         if window["start"] is None:  # the first step includes compilation: time from after it
             window.update(start=now, steps=0)
@@ -172,8 +194,12 @@ def _loop(config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints
             return
         elapsed = now - window["start"]
         rate = window["steps"] * tokens_per_step / elapsed if window["steps"] else 0.0
-        values.update(learning_rate=float(schedule(step - 1)), tokens_per_sec=rate,
-                      mfu=rate * model_flops / peak, step_time=elapsed / max(window["steps"], 1))
+        values.update(
+            learning_rate=float(schedule(step - 1)),
+            tokens_per_sec=rate,
+            mfu=rate * model_flops / peak,
+            step_time=elapsed / max(window["steps"], 1),
+        )
         if eval_state is not None:
             values["eval_loss"] = evaluate(eval_state)
         logger.log(step, values)
@@ -211,7 +237,14 @@ def _loop(config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints
     if stopped:
         raise SystemExit(128 + stop.signal)
     if main_process and t.sample_tokens and start < t.steps:
-        text = generate(dataclasses.replace(train_state, state=state), mesh, tokenizer, t.sample_prompt,
-                        max_new_tokens=t.sample_tokens, temperature=t.sample_temperature, seed=t.seed)
+        text = generate(
+            dataclasses.replace(train_state, state=state),
+            mesh,
+            tokenizer,
+            t.sample_prompt,
+            max_new_tokens=t.sample_tokens,
+            temperature=t.sample_temperature,
+            seed=t.seed,
+        )
         print(f"\n--- sample ---\n{t.sample_prompt}{text}\n--------------", flush=True)
     return last

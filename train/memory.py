@@ -19,24 +19,33 @@ import numpy as np
 from flax import nnx
 
 from models.remat import check_policy
-from parallel.context import attention_plan, check_context
+from parallel.configure import check_context, make_plan
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.config import Config
+from train.data import BATCH_FIELDS
 from train.optimizer import make_optimizer
 from train.state import TrainState, abstract_state
 from train.step import make_train_step
-
-BATCH_DTYPES = {"tokens": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
-                "loss_mask": np.float32}  # as train/data.py yields them
 
 # The plan never runs the step: on CPU, LLVM's optimisations are skipped (the compile takes about half as long;
 # the buffer assignment is the same, as the tests check against a default compile)
 CPU_OPTIONS = {"xla_backend_optimization_level": 0}
 
-SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-SIZE_FORMS = ("bytes (141e9, 85899345920) or a number with a unit: 80GiB, 80GB, 512MiB (KB MB GB TB = 1000^n bytes, "
-              "KiB MiB GiB TiB = 1024^n bytes)")
+SIZE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+SIZE_FORMS = (
+    "bytes (141e9, 85899345920) or a number with a unit: 80GiB, 80GB, 512MiB (KB MB GB TB = 1000^n bytes, "
+    "KiB MiB GiB TiB = 1024^n bytes)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +69,7 @@ class MemoryPlan:
     platform: str
     devices: int
     mesh: dict[str, int]
-    config: Config  # as planned: model.dtype resolved (for_accelerator)
+    config: Config  # as planned: compute.dtype resolved (for_accelerator)
     compile_seconds: float
 
     @property
@@ -96,37 +105,42 @@ def shard_bytes(tree) -> int:
 
 
 def for_accelerator(config: Config) -> Config:
-    """`model.dtype=auto` made explicit as bfloat16, the compute dtype of the GPU/TPU run being planned."""
-    if config.model.dtype != "auto":
+    """`compute.dtype=auto` made explicit as bfloat16, the compute dtype of the GPU/TPU run being planned."""
+    if config.compute.dtype != "auto":
         return config
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, dtype="bfloat16"))
+    return dataclasses.replace(config, compute=dataclasses.replace(config.compute, dtype="bfloat16"))
 
 
 def abstract_batch(config: Config, mesh) -> dict:
     """The step's input arrays as ShapeDtypeStructs [train.batch_size, data.seq_len] with the batch sharding."""
     shape, sharding = (config.train.batch_size, config.data.seq_len), batch_sharding(mesh)
-    return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for key, dtype in BATCH_DTYPES.items()}
+    return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for key, dtype in BATCH_FIELDS.items()}
 
 
 def plan_memory(config: Config, devices=None) -> MemoryPlan:
     """Compiles the configured train step for the mesh over `devices` (default: all) on abstract state and
-    batch, and returns the bytes per device (`model.dtype=auto` planned as bfloat16, see for_accelerator; on CPU
+    batch, and returns the bytes per device (`compute.dtype=auto` planned as bfloat16, see for_accelerator; on CPU
     the ragged expert dispatch is planned as the capacity dispatch, whose buffers have the same size)."""
     config = for_accelerator(config)
     mesh = make_mesh(config.mesh, devices)
     check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
     check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
     platform = mesh.devices.flat[0].platform
-    check_policy(config.model.remat_policy, platform)
+    check_policy(config.compute.remat_policy, platform)
     parallel_config = config.parallel
     if platform == "cpu" and parallel_config.expert_dispatch == "ragged":
         parallel_config = dataclasses.replace(parallel_config, expert_dispatch="capacity")
-    graphdef, state, shardings = abstract_state(config.model, make_optimizer(config.optimizer, config.train.steps), mesh)
+    tx = make_optimizer(config.optimizer, config.train.steps)
+    graphdef, state, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
     batch = abstract_batch(config, mesh)
     with jax.set_mesh(mesh):
-        step = make_train_step(TrainState(graphdef, state, shardings), mesh, chunk_size=config.model.loss_chunk_size,
-                               accum_steps=config.train.grad_accum_steps,
-                               plan=attention_plan(parallel_config, mesh.shape, platform))
+        step = make_train_step(
+            TrainState(graphdef, state, shardings),
+            mesh,
+            chunk_size=config.compute.loss_chunk_size,
+            accum_steps=config.train.grad_accum_steps,
+            plan=make_plan(parallel_config, mesh.shape, platform),
+        )
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else None)
         seconds = time.perf_counter() - start
@@ -134,17 +148,27 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     model, optimizer = state[0], state[1]
     params = shard_bytes(nnx.filter_state(model, nnx.Param))
     return MemoryPlan(
-        params=params, model_state=shard_bytes(model) - params, optimizer=shard_bytes(optimizer), gradients=params,
-        batch=shard_bytes(batch), arguments=stats.argument_size_in_bytes, outputs=stats.output_size_in_bytes,
-        aliased=stats.alias_size_in_bytes, temporaries=stats.temp_size_in_bytes, platform=platform,
-        devices=mesh.size, mesh={name: size for name, size in mesh.shape.items() if size > 1},
-        config=config, compile_seconds=seconds)
+        params=params,
+        model_state=shard_bytes(model) - params,
+        optimizer=shard_bytes(optimizer),
+        gradients=params,
+        batch=shard_bytes(batch),
+        arguments=stats.argument_size_in_bytes,
+        outputs=stats.output_size_in_bytes,
+        aliased=stats.alias_size_in_bytes,
+        temporaries=stats.temp_size_in_bytes,
+        platform=platform,
+        devices=mesh.size,
+        mesh={name: size for name, size in mesh.shape.items() if size > 1},
+        config=config,
+        compile_seconds=seconds,
+    )
 
 
 def format_plan(plan: MemoryPlan, device_memory: int | None = None) -> str:
     """The plan as a table of bytes per device, with a fits / does-not-fit line when `device_memory` is given."""
     mesh = " x ".join(f"{name}={size}" for name, size in plan.mesh.items()) or "one device"
-    m, t = plan.config.model, plan.config.train
+    m, c, t = plan.config.model, plan.config.compute, plan.config.train
     unaliased = plan.outputs - plan.aliased
     rows = [
         ("parameters", plan.params, "exact: sharded shapes"),
@@ -157,17 +181,25 @@ def format_plan(plan: MemoryPlan, device_memory: int | None = None) -> str:
         ("outputs not in place", unaliased, "outputs not written into the donated state"),
         ("total", plan.total, "arguments + temporaries + outputs not in place"),
     ]
-    lines = [f"memory plan: {plan.devices} {plan.platform} devices, mesh {mesh}; batch {t.batch_size} x "
-             f"{plan.config.data.seq_len} tokens in {t.grad_accum_steps} micro-batch(es); remat {m.remat_policy}; "
-             f"params {m.param_dtype}, compute {m.dtype}; compiled in {plan.compile_seconds:.1f} s",
-             "per device:"]
+    lines = [
+        f"memory plan: {plan.devices} {plan.platform} devices, mesh {mesh}; batch {t.batch_size} x "
+        f"{plan.config.data.seq_len} tokens in {t.grad_accum_steps} micro-batch(es); remat {c.remat_policy}; "
+        f"params {m.param_dtype}, compute {c.dtype}; compiled in {plan.compile_seconds:.1f} s",
+        "per device:",
+    ]
     lines += [f"  {name:<22}{format_size(size):>12}   {note}" for name, size, note in rows if size or name == "total"]
     if plan.platform == "cpu":
-        lines.append("temporaries come from the CPU compiler's buffer assignment (a GPU/TPU compile would differ); "
-                     "parameters, optimizer state, gradients and batch are exact")
+        lines.append(
+            "temporaries come from the CPU compiler's buffer assignment (a GPU/TPU compile would differ); "
+            "parameters, optimizer state, gradients and batch are exact"
+        )
     if device_memory is not None:
-        verdict = (f"fits, {format_size(device_memory - plan.total)} free" if plan.fits(device_memory)
-                   else f"does NOT fit, {format_size(plan.total - device_memory)} over")
-        lines.append(f"device memory {format_size(device_memory)}: {verdict} "
-                     f"(total {plan.total / device_memory:.0%} of it)")
+        verdict = (
+            f"fits, {format_size(device_memory - plan.total)} free"
+            if plan.fits(device_memory)
+            else f"does NOT fit, {format_size(plan.total - device_memory)} over"
+        )
+        lines.append(
+            f"device memory {format_size(device_memory)}: {verdict} (total {plan.total / device_memory:.0%} of it)"
+        )
     return "\n".join(lines)

@@ -23,8 +23,9 @@ def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
 class MetricsLogger:
     """Writes every logged step to metrics.jsonl and TensorBoard and shows progress."""
 
-    def __init__(self, output_dir: pathlib.Path, *, total_steps: int, start_step: int, progress_bar: bool,
-                 enabled: bool = True):
+    def __init__(
+        self, output_dir: pathlib.Path, *, total_steps: int, start_step: int, progress_bar: bool, enabled: bool = True
+    ):
         self.enabled = enabled
         if not enabled:
             return
@@ -35,9 +36,15 @@ class MetricsLogger:
         self.console = Console(stderr=True)
         self.live = progress_bar and self.console.is_terminal
         self.progress = Progress(
-            TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TextColumn("ETA"), TimeRemainingColumn(), console=self.console,
-            disable=not self.live)
+            TextColumn("[bold]train"),
+            BarColumn(bar_width=16),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[status]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=self.console,
+            disable=not self.live,
+        )
         self.task = self.progress.add_task("train", total=total_steps, completed=start_step, status="compiling")
         self.progress.start()
 
@@ -50,8 +57,9 @@ class MetricsLogger:
         self.file.flush()
         for key, value in values.items():
             self.tensorboard.add_scalar(key, value, step)
-        self.progress.update(self.task, completed=step,
-                             status=_status(values, ("loss", "tokens_per_sec", "mfu", "expert_dropped")))
+        self.progress.update(
+            self.task, completed=step, status=_status(values, ("loss", "tokens_per_sec", "mfu", "expert_dropped"))
+        )
         if not self.live:
             print(f"step {step:>6} {_status(values, FORMATS)}", file=sys.stderr, flush=True)
         elif "eval_loss" in values:
@@ -73,12 +81,21 @@ class MetricsLogger:
         self.tensorboard.close()
 
 
-FORMATS = {"loss": ("loss", ".4f"), "eval_loss": ("eval", ".4f"), "tokens_per_sec": ("tok/s", ",.0f"),
-           "mfu": ("MFU", ".1%"), "learning_rate": ("lr", ".2e"), "expert_dropped": ("dropped", ".2%")}
+FORMATS = {
+    "loss": ("loss", ".4f"),
+    "eval_loss": ("eval", ".4f"),
+    "tokens_per_sec": ("tok/s", ",.0f"),
+    "mfu": ("MFU", ".1%"),
+    "learning_rate": ("lr", ".2e"),
+    "expert_dropped": ("dropped", ".2%"),
+}
 WHEN_NONZERO = {"expert_dropped"}  # shown only when not zero
 
 
 def _status(values: dict, keys) -> str:
     """'loss 2.3100  tok/s 2,900 ...' for those of `keys` present in `values`."""
-    return "  ".join(f"{FORMATS[k][0]} {values[k]:{FORMATS[k][1]}}" for k in keys
-                     if k in values and (values[k] or k not in WHEN_NONZERO))
+    return "  ".join(
+        f"{FORMATS[k][0]} {values[k]:{FORMATS[k][1]}}"
+        for k in keys
+        if k in values and (values[k] or k not in WHEN_NONZERO)
+    )

@@ -12,8 +12,12 @@ def learning_rate_schedule(config, total_steps: int) -> optax.Schedule:
     """0 -> learning_rate over warmup_steps, then cosine to min_lr_ratio * learning_rate at decay_steps."""
     decay_steps = config.decay_steps or total_steps
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.learning_rate, warmup_steps=config.warmup_steps,
-        decay_steps=max(decay_steps, config.warmup_steps + 1), end_value=config.learning_rate * config.min_lr_ratio)
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=config.warmup_steps,
+        decay_steps=max(decay_steps, config.warmup_steps + 1),
+        end_value=config.learning_rate * config.min_lr_ratio,
+    )
 
 
 def decay_mask(params):
@@ -29,6 +33,14 @@ def decay_mask(params):
 def make_optimizer(config, total_steps: int) -> optax.GradientTransformation:
     """The optax transformation for an OptimizerConfig."""
     parts = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm > 0 else []
-    parts.append(optax.adamw(learning_rate_schedule(config, total_steps), b1=config.b1, b2=config.b2,
-                             eps=config.eps, weight_decay=config.weight_decay, mask=decay_mask))
+    parts.append(
+        optax.adamw(
+            learning_rate_schedule(config, total_steps),
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=decay_mask,
+        )
+    )
     return optax.chain(*parts)

@@ -10,13 +10,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from parallel.mesh import batch_shards
 
-def generate(train_state, mesh, tokenizer, prompt: str, *, max_new_tokens: int, temperature: float = 0.0,
-             seed: int = 0) -> str:
+
+def generate(
+    train_state, mesh, tokenizer, prompt: str, *, max_new_tokens: int, temperature: float = 0.0, seed: int = 0
+) -> str:
     """Continues `prompt` by up to `max_new_tokens` tokens (stops at EOS); returns the new text."""
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
     length = len(ids) + max_new_tokens
-    rows = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]  # the batch axis must split over these
+    rows = batch_shards(mesh)  # one row per batch shard: the batch axis must split over the mesh
     graphdef = train_state.graphdef
 
     @jax.jit

@@ -17,12 +17,15 @@ import sysconfig
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow.parquet as pq
 
-from train.config import DataConfig
+from train.errors import DataError
+
+if TYPE_CHECKING:  # the run config imports this module's registries
+    from train.config.schema import DataConfig
 
 SOURCE_HELP = '"stdlib", a text file, a folder, a .jsonl/.json file or a .parquet file'
 
@@ -35,8 +38,7 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> str: ...
 
 
-def _list_files(root: pathlib.Path, pattern: str, skip_dirs: frozenset[str] = frozenset()
-                ) -> list[pathlib.Path]:
+def _list_files(root: pathlib.Path, pattern: str, skip_dirs: frozenset[str] = frozenset()) -> list[pathlib.Path]:
     """Files under `root` at any depth whose path matches `pattern` (from the right, like
     `PurePath.match`: "*.txt", "train/*.jsonl"), sorted; hidden entries and `skip_dirs` are skipped."""
     found = []
@@ -103,17 +105,16 @@ class JsonlFile:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{where} is not valid JSON: {error}") from None
+            raise DataError(f"{where} is not valid JSON: {error}") from None
         if not isinstance(obj, dict):
-            raise ValueError(f"{where} is a JSON {type(obj).__name__}; expected an object with field "
-                             f"{self.text_field!r}")
+            raise DataError(
+                f"{where} is a JSON {type(obj).__name__}; expected an object with field {self.text_field!r}"
+            )
         if self.text_field not in obj:
-            raise ValueError(f"{where} has no field {self.text_field!r} (data.text_field); keys present: "
-                             f"{sorted(obj)}")
+            raise DataError(f"{where} has no field {self.text_field!r} (data.text_field); keys present: {sorted(obj)}")
         text = obj[self.text_field]
         if not isinstance(text, str):
-            raise ValueError(f"{where}: field {self.text_field!r} is a {type(text).__name__}; "
-                             f"expected a string")
+            raise DataError(f"{where}: field {self.text_field!r} is a {type(text).__name__}; expected a string")
         return text
 
 
@@ -130,8 +131,7 @@ class ParquetFile:
         metadata = pq.ParquetFile(self.path)
         columns = metadata.schema_arrow.names
         if text_field not in columns:
-            raise ValueError(f"{self.path} has no column {text_field!r} (data.text_field); "
-                             f"available columns: {columns}")
+            raise DataError(f"{self.path} has no column {text_field!r} (data.text_field); available columns: {columns}")
         counts = [metadata.metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
         self._group_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._open()
@@ -170,8 +170,9 @@ class ParquetFile:
         group = int(np.searchsorted(self._group_starts, index, side="right")) - 1
         text = self._row_group(group)[index - int(self._group_starts[group])]
         if not isinstance(text, str):
-            raise ValueError(f"{self.path} row {index}: column {self.text_field!r} holds "
-                             f"{type(text).__name__}; expected a string")
+            raise DataError(
+                f"{self.path} row {index}: column {self.text_field!r} holds {type(text).__name__}; expected a string"
+            )
         return text
 
 
@@ -207,6 +208,7 @@ class Head:
 
 
 READERS = {"jsonl": JsonlFile, "parquet": ParquetFile}
+FORMATS = ("auto", "text", *READERS)  # data.format
 
 
 def _format_of(path: pathlib.Path, fmt: str) -> str:
@@ -226,9 +228,7 @@ def open_source(cfg: DataConfig) -> Source:
     else:
         path = pathlib.Path(cfg.source).expanduser()
         if not path.exists():
-            raise FileNotFoundError(
-                f"data.source={cfg.source!r} does not exist; data.source accepts {SOURCE_HELP}"
-            )
+            raise FileNotFoundError(f"data.source={cfg.source!r} does not exist; data.source accepts {SOURCE_HELP}")
         fmt = _format_of(path, cfg.format)
         where = f"data.source={cfg.source!r}"
         files = [path]
@@ -241,11 +241,9 @@ def open_source(cfg: DataConfig) -> Source:
             parts = [READERS[fmt](f, cfg.text_field) for f in files]
             source = parts[0] if len(parts) == 1 else Concat(parts)
         else:
-            raise ValueError(f"data.format={cfg.format!r} is not allowed; "
-                             f"choose one of auto, text, jsonl, parquet")
+            raise DataError(f"data.format={cfg.format!r} is not allowed; choose one of {', '.join(FORMATS)}")
     if cfg.max_documents:
         source = Head(source, cfg.max_documents)
     if not any(source[i] for i in range(len(source))):
-        raise ValueError(f"empty corpus: {where} has no documents"
-                         + (" with any text" if len(source) else ""))
+        raise DataError(f"empty corpus: {where} has no documents" + (" with any text" if len(source) else ""))
     return source

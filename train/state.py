@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 import models
+from models.config import ComputeConfig, ModelConfig
 from parallel.mesh import state_shardings
 
 
@@ -22,23 +23,32 @@ class TrainState:
     shardings: nnx.State
 
 
-def _build(model_config, tx, seed: int):
-    model = models.build(model_config, rngs=nnx.Rngs(seed))
+def _build(model_config: ModelConfig, compute: ComputeConfig, tx, seed: int):
+    model = models.build(model_config, compute, rngs=nnx.Rngs(seed))
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def abstract_state(model_config, tx: optax.GradientTransformation, mesh: Mesh):
+def abstract_state(
+    model_config: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, *, compute: ComputeConfig = ComputeConfig()
+):
     """(graphdef, abstract state with shardings, shardings) without allocating any parameter."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _build(model_config, tx, 0)))
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _build(model_config, compute, tx, 0)))
     shardings = state_shardings(abstract, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return graphdef, abstract, shardings
 
 
-def create_state(model_config, tx: optax.GradientTransformation, mesh: Mesh, seed: int) -> TrainState:
+def create_state(
+    model_config: ModelConfig,
+    tx: optax.GradientTransformation,
+    mesh: Mesh,
+    seed: int,
+    *,
+    compute: ComputeConfig = ComputeConfig(),
+) -> TrainState:
     """Fresh parameters from `seed`, each created on the devices that own its shards."""
-    graphdef, _, shardings = abstract_state(model_config, tx, mesh)
-    init = jax.jit(lambda: nnx.split(_build(model_config, tx, seed))[1], out_shardings=shardings)
+    graphdef, _, shardings = abstract_state(model_config, tx, mesh, compute=compute)
+    init = jax.jit(lambda: nnx.split(_build(model_config, compute, tx, seed))[1], out_shardings=shardings)
     return TrainState(graphdef, init(), shardings)
 
 

@@ -14,8 +14,7 @@ from layers.loss import chunked_cross_entropy
 from models.dtypes import compute_dtype
 from parallel import plan as plans
 from parallel.mesh import batch_sharding
-
-BATCH_KEYS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+from train.data import BATCH_FIELDS
 
 
 def loss_sums(model, batch, chunk_size: int):
@@ -24,8 +23,14 @@ def loss_sums(model, batch, chunk_size: int):
     The mask is the data's loss_mask (0 on padding and where the target belongs to another document); aux is
     what the model reports beside its hidden states (e.g. expert counts), summed over micro-batches."""
     hidden, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    loss, count = chunked_cross_entropy(hidden, model.output_kernel(), batch["targets"], batch["loss_mask"],
-                                        chunk_size=min(chunk_size, hidden.shape[1]), dtype=compute_dtype(model.config))
+    loss, count = chunked_cross_entropy(
+        hidden,
+        model.output_kernel(),
+        batch["targets"],
+        batch["loss_mask"],
+        chunk_size=min(chunk_size, hidden.shape[1]),
+        dtype=compute_dtype(model.compute),
+    )
     return loss, count, aux
 
 
@@ -33,8 +38,9 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     """Gradients of the token-mean loss over `accum_steps` micro-batches, scanned one after another."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # row i goes to micro-batch i % accum_steps, so every micro-batch stays spread over the batch shards
-    micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1),
-                         batch)
+    micro = jax.tree.map(
+        lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch
+    )
 
     def loss_of(p, micro_batch):
         loss, n, aux = loss_sums(nnx.merge(graphdef, p, rest), micro_batch, chunk_size)
@@ -48,12 +54,15 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grads, loss_sum, count), aux = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), micro)
     denominator = jnp.maximum(count, 1.0)
-    return (jax.tree.map(lambda g: (g / denominator).astype(g.dtype), grads), loss_sum / denominator, count,
-            jax.tree.map(lambda a: a.sum(0), aux))
+    return (
+        jax.tree.map(lambda g: (g / denominator).astype(g.dtype), grads),
+        loss_sum / denominator,
+        count,
+        jax.tree.map(lambda a: a.sum(0), aux),
+    )
 
 
-def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int,
-                    plan: plans.AttentionPlan = plans.AttentionPlan()):
+def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, plan: plans.Plan = plans.Plan()):
     """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated.
     Batch arrays [batch, length] are in `plan.layout` order."""
     graphdef = train_state.graphdef
@@ -64,16 +73,16 @@ def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int,
             grads, loss, count, aux = accumulated_grads(model, batch, chunk_size, accum_steps)
             optimizer.update(model, grads)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count}
-            if hasattr(model, "balance"):  # e.g. aux-loss-free expert balancing, outside the gradient
-                metrics |= model.balance(aux)
+            metrics |= model.balance(aux)  # e.g. aux-loss-free expert balancing, outside the gradient
             return nnx.split((model, optimizer))[1], metrics
 
-    data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
-    return jax.jit(step, in_shardings=(train_state.shardings, data), out_shardings=(train_state.shardings, None),
-                   donate_argnums=0)
+    data = {key: batch_sharding(mesh) for key in BATCH_FIELDS}
+    return jax.jit(
+        step, in_shardings=(train_state.shardings, data), out_shardings=(train_state.shardings, None), donate_argnums=0
+    )
 
 
-def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.AttentionPlan = plans.AttentionPlan()):
+def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.Plan = plans.Plan()):
     """jit(state, batch) -> (loss sum, token count) on held-out data in `plan.layout` order."""
     graphdef = train_state.graphdef
 
@@ -82,5 +91,5 @@ def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.AttentionP
             model, _ = nnx.merge(graphdef, state)
             return loss_sums(model, batch, chunk_size)[:2]
 
-    data = {key: batch_sharding(mesh) for key in BATCH_KEYS}
+    data = {key: batch_sharding(mesh) for key in BATCH_FIELDS}
     return jax.jit(step, in_shardings=(train_state.shardings, data))

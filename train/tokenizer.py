@@ -78,13 +78,11 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         """Ids outside the vocabulary are skipped, like the special tokens."""
-        return self._tokenizer.decode(
-            [int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=True
-        )
+        return self._tokenizer.decode([int(i) for i in ids if 0 <= int(i) < self.vocab_size], skip_special_tokens=True)
 
 
 def make_tokenizer(spec: str) -> Tokenizer:
-    """"byte" -> ByteTokenizer; otherwise a path to a tokenizer.json or a folder that holds one."""
+    """ "byte" -> ByteTokenizer; otherwise a path to a tokenizer.json or a folder that holds one."""
     if spec == "byte":
         return ByteTokenizer()
     path = pathlib.Path(spec).expanduser()
@@ -92,7 +90,7 @@ def make_tokenizer(spec: str) -> Tokenizer:
         path = path / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(
-            f"data.tokenizer={spec!r}: {path} does not exist; data.tokenizer accepts \"byte\" or a path "
+            f'data.tokenizer={spec!r}: {path} does not exist; data.tokenizer accepts "byte" or a path '
             f"to a Hugging Face tokenizer.json (or a folder containing one)"
         )
     return HFTokenizer(path)

@@ -1,5 +1,5 @@
 """Hugging Face checkpoints <-> longctx models: `load_pretrained(dir)`, `save_pretrained(model, dir)`, and the
-`python -m models.hf import|export` command line (models/hf/cli.py). Per-family tables live in
+`python -m train.hf import|export` command line (train/hf.py). Per-family tables live in
 models/hf/<family>.py and are registered in models/hf/families.py."""
 
 from models.hf.convert import load_pretrained, save_pretrained

@@ -22,7 +22,7 @@ from flax.traverse_util import flatten_dict, unflatten_dict
 from safetensors.numpy import save_file
 
 import models
-from models.dtypes import NAMES
+from models.dtypes import PARAM_DTYPES
 from models.hf.families import by_architecture, for_export
 from models.hf.reader import SafetensorsFile
 
@@ -57,8 +57,8 @@ def abstract_model(config) -> tuple[nnx.GraphDef, nnx.State]:
 
 def _dtype_name(dtype) -> str:
     name = jnp.dtype(dtype).name
-    if name not in NAMES:
-        raise ValueError(f"dtype={name!r} is not a parameter dtype; choose one of {', '.join(NAMES)}")
+    if name not in PARAM_DTYPES:
+        raise ValueError(f"dtype={name!r} is not a parameter dtype; choose one of {', '.join(PARAM_DTYPES)}")
     return name
 
 
@@ -68,11 +68,10 @@ def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     size = math.prod(shape) * dtype.itemsize
     raw = np.empty(size + 64, np.uint8)
     start = -raw.ctypes.data % 64
-    return raw[start:start + size].view(dtype).reshape(shape)
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
-def _plan(family, config, hf_config: dict, files: dict[str, str], shapes: dict,
-          path: pathlib.Path) -> dict[str, list]:
+def _plan(family, config, hf_config: dict, files: dict[str, str], shapes: dict, path: pathlib.Path) -> dict[str, list]:
     """File name -> [(tensor name, Tensor, index into our parameter)] for every tensor the model needs; checks that
     each is in `files` and that every parameter in `shapes` is filled by some tensor or is one of the family's
     zeros."""
@@ -85,13 +84,16 @@ def _plan(family, config, hf_config: dict, files: dict[str, str], shapes: dict,
                 missing.append(name)
             plan.setdefault(files.get(name), []).append((name, tensor, index))
     if missing:
-        raise ValueError(f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. "
-                         f"{', '.join(missing[:3])}")
+        raise ValueError(
+            f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. {', '.join(missing[:3])}"
+        )
     filled = {tensor.ours for entries in plan.values() for _, tensor, _ in entries}
     unfilled = set(shapes) - filled - set(family.zeros(config))
     if unfilled:
-        raise ValueError(f"{family.architecture}: no tensor fills parameter(s) "
-                         f"{', '.join('.'.join(ours) for ours in sorted(unfilled))}")
+        raise ValueError(
+            f"{family.architecture}: no tensor fills parameter(s) "
+            f"{', '.join('.'.join(ours) for ours in sorted(unfilled))}"
+        )
     return plan
 
 
@@ -109,9 +111,11 @@ def _read(path: pathlib.Path, plan: dict[str, list], shapes: dict, config) -> di
         for name, tensor, index in entries:
             target = shapes[tensor.ours]
             value = tensor.to_ours(reader.get(name), config)
-            if value.shape != target.shape[len(index):]:
-                raise ValueError(f"{path / file}: {name} gives shape {value.shape} for "
-                                 f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index):]}")
+            if value.shape != target.shape[len(index) :]:
+                raise ValueError(
+                    f"{path / file}: {name} gives shape {value.shape} for "
+                    f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index) :]}"
+                )
             if tensor.ours not in buffers:
                 buffers[tensor.ours] = _aligned_empty(target.shape, target.dtype)
             buffers[tensor.ours][index] = value.astype(target.dtype, copy=False)
@@ -175,17 +179,20 @@ class _Shards:
             self._flush()
         count = len(self.files)
         names = [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        for file, name in zip(self.files, names):
+        for file, name in zip(self.files, names, strict=True):
             file.rename(self.path / name)
         if count > 1:
-            index = {"metadata": {"total_size": self.total_bytes},
-                     "weight_map": {tensor: names[shard] for tensor, shard in self.shard_of.items()}}
+            index = {
+                "metadata": {"total_size": self.total_bytes},
+                "weight_map": {tensor: names[shard] for tensor, shard in self.shard_of.items()},
+            }
             (self.path / INDEX).write_text(json.dumps(index, indent=2))
         return names
 
 
-def save_pretrained(model: nnx.Module, path: str | pathlib.Path, *, max_shard_bytes: int = 2**31,
-                    extra_config: dict | None = None) -> list[str]:
+def save_pretrained(
+    model: nnx.Module, path: str | pathlib.Path, *, max_shard_bytes: int = 2**31, extra_config: dict | None = None
+) -> list[str]:
     """Writes `model` as a Hugging Face directory (config.json + safetensors shards, + index when several) that
     `transformers.AutoModelForCausalLM.from_pretrained` loads; tensors keep the parameters' dtype.
 

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from models.config import ModelConfig
 from models.hf.rope import rope_from_hf, rope_to_hf
-from models.hf.spec import Family, Tensor, heads_in_to_hf, heads_out_to_hf, same, transpose
-from train.config import ModelConfig
+from models.hf.spec import Family, Tensor, check_required, heads_in_to_hf, heads_out_to_hf, same, transpose
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 V2_ARCHITECTURE = "DeepseekV2ForCausalLM"
@@ -34,29 +34,57 @@ DEEPSEEK_REQUIRED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_
 V2_DEEPSEEK_REQUIRED = {"scoring_func": "softmax", "moe_layer_freq": 1}
 # DeepSeek-V2 topk_method -> whether it routes within groups (n_group, topk_group)
 V2_TOPK_METHODS = {"greedy": False, "group_limited_greedy": True}
-SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-         "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-         "num_experts_per_tok", "moe_intermediate_size")
+SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
 # DeepseekV3Config's / DeepseekV2Config's values for the other keys a config.json may leave out
-DEFAULTS = {"q_lora_rank": 1536, "n_shared_experts": 1, "first_k_dense_replace": 3, "n_group": 8, "topk_group": 4,
-            "norm_topk_prob": True, "routed_scaling_factor": 2.5, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-            "rope_interleave": True}
-V2_DEFAULTS = {"q_lora_rank": 1536, "n_shared_experts": 2, "first_k_dense_replace": 0, "n_group": None,
-               "topk_group": None, "topk_method": "greedy", "routed_scaling_factor": 1.0, "rms_norm_eps": 1e-6,
-               "tie_word_embeddings": False}
+DEFAULTS = {
+    "q_lora_rank": 1536,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 3,
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "rope_interleave": True,
+}
+V2_DEFAULTS = {
+    "q_lora_rank": 1536,
+    "n_shared_experts": 2,
+    "first_k_dense_replace": 0,
+    "n_group": None,
+    "topk_group": None,
+    "topk_method": "greedy",
+    "routed_scaling_factor": 1.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+}
 BIAS = ("moe_layers", "mlp", "bias")  # our router bias: DeepSeek-V3's selection bias, absent from DeepSeek-V2
 
 
 def _check(hf: dict, architecture: str, required: dict) -> None:
     """ValueError for a config.json our model cannot represent, naming the key and the value it needs."""
-    for key, value in required.items():
-        if hf.get(key, value) != value:
-            raise ValueError(f"{architecture}: config.json has {key}={hf[key]!r}; only {key}={value!r} is supported")
+    check_required(hf, required, f"{architecture}: config.json has")
     if hf.get("quantization_config"):
-        raise ValueError(f"{architecture}: config.json has quantization_config "
-                         f"{hf['quantization_config'].get('quant_method', '')!r}; only unquantized checkpoints are "
-                         f"supported: dequantize the weights (FP8 ones with their weight_scale_inv) and drop "
-                         f"quantization_config")
+        raise ValueError(
+            f"{architecture}: config.json has quantization_config "
+            f"{hf['quantization_config'].get('quant_method', '')!r}; only unquantized checkpoints are "
+            f"supported: dequantize the weights (FP8 ones with their weight_scale_inv) and drop "
+            f"quantization_config"
+        )
     missing = [key for key in SIZES if hf.get(key) is None]
     if missing:
         raise ValueError(f"{architecture}: config.json lacks {', '.join(missing)}")
@@ -66,25 +94,43 @@ def _model_config(hf: dict, architecture: str, **routing) -> ModelConfig:
     """ModelConfig of a checked config.json with its defaults filled in; `routing` gives the router's fields."""
     heads, layers = hf["num_attention_heads"], hf["num_hidden_layers"]
     return ModelConfig(
-        family="deepseek", vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"], num_layers=layers,
-        num_heads=heads, num_kv_heads=heads, head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
-        mlp_dim=hf["intermediate_size"], norm_eps=float(hf["rms_norm_eps"]),
-        tie_embeddings=bool(hf["tie_word_embeddings"]), q_lora_rank=hf["q_lora_rank"] or 0,
-        kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"],
-        qk_rope_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], num_experts=hf["n_routed_experts"],
-        experts_per_token=hf["num_experts_per_tok"], moe_mlp_dim=hf["moe_intermediate_size"],
+        family="deepseek",
+        vocab_size=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"],
+        mlp_dim=hf["intermediate_size"],
+        norm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
+        q_lora_rank=hf["q_lora_rank"] or 0,
+        kv_lora_rank=hf["kv_lora_rank"],
+        qk_nope_head_dim=hf["qk_nope_head_dim"],
+        qk_rope_head_dim=hf["qk_rope_head_dim"],
+        v_head_dim=hf["v_head_dim"],
+        num_experts=hf["n_routed_experts"],
+        experts_per_token=hf["num_experts_per_tok"],
+        moe_mlp_dim=hf["moe_intermediate_size"],
         num_shared_experts=hf["n_shared_experts"] or 0,
         first_dense_layers=min(hf["first_k_dense_replace"] or 0, layers),
-        routed_scaling_factor=float(hf["routed_scaling_factor"]), **routing,
-        **rope_from_hf(hf, architecture, ROPE_TYPES))
+        routed_scaling_factor=float(hf["routed_scaling_factor"]),
+        **routing,
+        **rope_from_hf(hf, architecture, ROPE_TYPES),
+    )
 
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """config.json of a DeepseekV3ForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
     _check(hf, ARCHITECTURE, {**REQUIRED, **DEEPSEEK_REQUIRED})
     hf = {**DEFAULTS, **hf}
-    return _model_config(hf, ARCHITECTURE, n_group=hf["n_group"] or 1, topk_group=hf["topk_group"] or 1,
-                         norm_topk_prob=bool(hf["norm_topk_prob"]))
+    return _model_config(
+        hf,
+        ARCHITECTURE,
+        n_group=hf["n_group"] or 1,
+        topk_group=hf["topk_group"] or 1,
+        norm_topk_prob=bool(hf["norm_topk_prob"]),
+    )
 
 
 def v2_config_from_hf(hf: dict) -> ModelConfig:
@@ -93,12 +139,20 @@ def v2_config_from_hf(hf: dict) -> ModelConfig:
     _check(hf, V2_ARCHITECTURE, {**V2_REQUIRED, **V2_DEEPSEEK_REQUIRED})
     hf = {**V2_DEFAULTS, **hf}
     if hf["topk_method"] not in V2_TOPK_METHODS:
-        raise ValueError(f"{V2_ARCHITECTURE}: config.json has topk_method={hf['topk_method']!r}; supported "
-                         f"topk methods: {', '.join(V2_TOPK_METHODS)}")
+        raise ValueError(
+            f"{V2_ARCHITECTURE}: config.json has topk_method={hf['topk_method']!r}; supported "
+            f"topk methods: {', '.join(V2_TOPK_METHODS)}"
+        )
     grouped = V2_TOPK_METHODS[hf["topk_method"]]
-    return _model_config(hf, V2_ARCHITECTURE, n_group=(grouped and hf["n_group"]) or 1,
-                         topk_group=(grouped and hf["topk_group"]) or 1, norm_topk_prob=False,
-                         router_score="softmax", router_bias_rate=0.0)
+    return _model_config(
+        hf,
+        V2_ARCHITECTURE,
+        n_group=(grouped and hf["n_group"]) or 1,
+        topk_group=(grouped and hf["topk_group"]) or 1,
+        norm_topk_prob=False,
+        router_score="softmax",
+        router_bias_rate=0.0,
+    )
 
 
 def dense_count(config: ModelConfig) -> int:
@@ -121,16 +175,28 @@ def _hf_config(config: ModelConfig, architecture: str, model_type: str) -> dict:
     scaling's factor x original_max_position_embeddings."""
     rope = config.rope_scaling
     return {
-        "architectures": [architecture], "model_type": model_type, "vocab_size": config.vocab_size,
-        "hidden_size": config.embed_dim, "intermediate_size": config.mlp_dim,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_heads, "q_lora_rank": config.q_lora_rank or None,
-        "kv_lora_rank": config.kv_lora_rank, "qk_nope_head_dim": config.qk_nope_head_dim,
-        "qk_rope_head_dim": config.qk_rope_head_dim, "v_head_dim": config.v_head_dim,
-        "n_routed_experts": config.num_experts, "num_experts_per_tok": config.experts_per_token,
-        "moe_intermediate_size": config.moe_mlp_dim, "n_shared_experts": config.num_shared_experts,
-        "first_k_dense_replace": dense_count(config), "n_group": config.n_group, "topk_group": config.topk_group,
-        "routed_scaling_factor": config.routed_scaling_factor, "rms_norm_eps": config.norm_eps,
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.mlp_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_heads,
+        "q_lora_rank": config.q_lora_rank or None,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "n_routed_experts": config.num_experts,
+        "num_experts_per_tok": config.experts_per_token,
+        "moe_intermediate_size": config.moe_mlp_dim,
+        "n_shared_experts": config.num_shared_experts,
+        "first_k_dense_replace": dense_count(config),
+        "n_group": config.n_group,
+        "topk_group": config.topk_group,
+        "routed_scaling_factor": config.routed_scaling_factor,
+        "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "max_position_embeddings": int(rope.factor * rope.original_max_position_embeddings),
         **rope_to_hf(config, architecture, ROPE_TYPES),
@@ -141,21 +207,33 @@ def config_to_hf(config: ModelConfig) -> dict:
     """ModelConfig with a sigmoid router -> config.json of a DeepseekV3ForCausalLM (no multi-token-prediction
     layers)."""
     if not is_v3(config):
-        raise ValueError(f"{ARCHITECTURE}: model.router_score={config.router_score!r}; DeepSeek-V3 routes with "
-                         f"'sigmoid'")
-    return {**_hf_config(config, ARCHITECTURE, "deepseek_v3"), "norm_topk_prob": config.norm_topk_prob,
-            "rope_interleave": True, "num_nextn_predict_layers": 0, **REQUIRED}
+        raise ValueError(
+            f"{ARCHITECTURE}: model.router_score={config.router_score!r}; DeepSeek-V3 routes with 'sigmoid'"
+        )
+    return {
+        **_hf_config(config, ARCHITECTURE, "deepseek_v3"),
+        "norm_topk_prob": config.norm_topk_prob,
+        "rope_interleave": True,
+        "num_nextn_predict_layers": 0,
+        **REQUIRED,
+    }
 
 
 def v2_config_to_hf(config: ModelConfig) -> dict:
     """ModelConfig with a softmax router and norm_topk_prob false -> config.json of a DeepseekV2ForCausalLM;
     topk_method greedy when n_group is 1, else group_limited_greedy."""
     if not is_v2(config) or config.norm_topk_prob:
-        raise ValueError(f"{V2_ARCHITECTURE}: model.router_score={config.router_score!r}, model.norm_topk_prob="
-                         f"{config.norm_topk_prob}; DeepSeek-V2 routes with 'softmax' and norm_topk_prob false")
+        raise ValueError(
+            f"{V2_ARCHITECTURE}: model.router_score={config.router_score!r}, model.norm_topk_prob="
+            f"{config.norm_topk_prob}; DeepSeek-V2 routes with 'softmax' and norm_topk_prob false"
+        )
     topk_method = "group_limited_greedy" if config.n_group > 1 else "greedy"
-    return {**_hf_config(config, V2_ARCHITECTURE, "deepseek_v2"), "topk_method": topk_method,
-            **V2_REQUIRED, **V2_DEEPSEEK_REQUIRED}
+    return {
+        **_hf_config(config, V2_ARCHITECTURE, "deepseek_v2"),
+        "topk_method": topk_method,
+        **V2_REQUIRED,
+        **V2_DEEPSEEK_REQUIRED,
+    }
 
 
 def dense_layers(config: ModelConfig):
@@ -222,16 +300,23 @@ def _attention(stack: str, slices, config: ModelConfig, interleaved: bool) -> li
     ours = (stack, "attn")
     q_in, q_out = _then(heads_in, rope_in), _then(rope_out, heads_in_to_hf)
     if config.q_lora_rank:
-        query = [Tensor(attn + "q_a_proj.weight", (*ours, "q_a"), transpose, transpose, slices),
-                 Tensor(attn + "q_a_layernorm.weight", (*ours, "q_a_norm", "scale"), slices=slices),
-                 Tensor(attn + "q_b_proj.weight", (*ours, "q_b"), q_in, q_out, slices)]
+        query = [
+            Tensor(attn + "q_a_proj.weight", (*ours, "q_a"), transpose, transpose, slices),
+            Tensor(attn + "q_a_layernorm.weight", (*ours, "q_a_norm", "scale"), slices=slices),
+            Tensor(attn + "q_b_proj.weight", (*ours, "q_b"), q_in, q_out, slices),
+        ]
     else:
         query = [Tensor(attn + "q_proj.weight", (*ours, "q"), q_in, q_out, slices)]
     return [
         Tensor(layer + "input_layernorm.weight", (stack, "attn_norm", "scale"), slices=slices),
         *query,
-        Tensor(attn + "kv_a_proj_with_mqa.weight", (*ours, "kv_a"), _then(transpose, rope_in),
-               _then(rope_out, transpose), slices),
+        Tensor(
+            attn + "kv_a_proj_with_mqa.weight",
+            (*ours, "kv_a"),
+            _then(transpose, rope_in),
+            _then(rope_out, transpose),
+            slices,
+        ),
         Tensor(attn + "kv_a_layernorm.weight", (*ours, "kv_a_norm", "scale"), slices=slices),
         Tensor(attn + "kv_b_proj.weight", (*ours, "kv_b"), heads_in, heads_in_to_hf, slices),
         Tensor(attn + "o_proj.weight", (*ours, "o"), heads_out, heads_out_to_hf, slices),
@@ -242,14 +327,30 @@ def _attention(stack: str, slices, config: ModelConfig, interleaved: bool) -> li
 def _experts(config: ModelConfig, selection_bias: bool) -> list[Tensor]:
     """Router, selection bias (if `selection_bias`), routed and shared experts of the MoE stack."""
     mlp = "model.layers.{layer}.mlp."
-    table = [Tensor(mlp + "gate.weight", ("moe_layers", "mlp", "gate"), transpose, transpose, moe_layers)]
+    table = [Tensor(mlp + "gate.weight", ("moe_layers", "mlp", "router"), transpose, transpose, moe_layers)]
     if selection_bias:
         table.append(Tensor(mlp + "gate.e_score_correction_bias", BIAS, slices=moe_layers))
-    table += [Tensor(mlp + "experts.{expert}." + f"{name}_proj.weight", ("moe_layers", "mlp", f"experts_{name}"),
-                     transpose, transpose, moe_experts) for name in ("gate", "up", "down")]
+    table += [
+        Tensor(
+            mlp + "experts.{expert}." + f"{name}_proj.weight",
+            ("moe_layers", "mlp", f"experts_{name}"),
+            transpose,
+            transpose,
+            moe_experts,
+        )
+        for name in ("gate", "up", "down")
+    ]
     if config.num_shared_experts:
-        table += [Tensor(mlp + f"shared_experts.{name}_proj.weight", ("moe_layers", "mlp", "shared", name),
-                         transpose, transpose, moe_layers) for name in ("gate", "up", "down")]
+        table += [
+            Tensor(
+                mlp + f"shared_experts.{name}_proj.weight",
+                ("moe_layers", "mlp", "shared", name),
+                transpose,
+                transpose,
+                moe_layers,
+            )
+            for name in ("gate", "up", "down")
+        ]
     return table
 
 
@@ -257,8 +358,16 @@ def _table(config: ModelConfig, interleaved: bool, selection_bias: bool) -> list
     table = [Tensor("model.embed_tokens.weight", ("embed", "embedding"))]
     if dense_count(config):
         table += _attention("dense_layers", dense_layers, config, interleaved)
-        table += [Tensor("model.layers.{layer}." + f"mlp.{name}_proj.weight", ("dense_layers", "mlp", name),
-                         transpose, transpose, dense_layers) for name in ("gate", "up", "down")]
+        table += [
+            Tensor(
+                "model.layers.{layer}." + f"mlp.{name}_proj.weight",
+                ("dense_layers", "mlp", name),
+                transpose,
+                transpose,
+                dense_layers,
+            )
+            for name in ("gate", "up", "down")
+        ]
     if dense_count(config) < config.num_layers:
         table += _attention("moe_layers", moe_layers, config, interleaved) + _experts(config, selection_bias)
     table.append(Tensor("model.norm.weight", ("final_norm", "scale")))
@@ -275,8 +384,7 @@ def tensors(config: ModelConfig) -> list[Tensor]:
 
 def read_tensors(config: ModelConfig, hf: dict) -> list[Tensor]:
     """The tensors of a checkpoint with config.json `hf`, whose rope_interleave chooses the rotary column order."""
-    return _table(config, interleaved=bool(hf.get("rope_interleave", DEFAULTS["rope_interleave"])),
-                  selection_bias=True)
+    return _table(config, interleaved=bool(hf.get("rope_interleave", DEFAULTS["rope_interleave"])), selection_bias=True)
 
 
 def v2_tensors(config: ModelConfig) -> list[Tensor]:
@@ -290,5 +398,6 @@ def v2_zeros(config: ModelConfig) -> tuple[tuple[str, ...], ...]:
 
 
 FAMILY = Family(ARCHITECTURE, "deepseek", config_from_hf, config_to_hf, tensors, read_tensors, exports=is_v3)
-V2_FAMILY = Family(V2_ARCHITECTURE, "deepseek", v2_config_from_hf, v2_config_to_hf, v2_tensors, exports=is_v2,
-                   zeros=v2_zeros)
+V2_FAMILY = Family(
+    V2_ARCHITECTURE, "deepseek", v2_config_from_hf, v2_config_to_hf, v2_tensors, exports=is_v2, zeros=v2_zeros
+)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from models.config import ModelConfig
 from models.hf import deepseek, llama
 from models.hf.spec import Family
-from train.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (llama.FAMILY, deepseek.FAMILY, deepseek.V2_FAMILY)
 
@@ -15,8 +15,10 @@ def by_architecture(hf_config: dict) -> Family:
     for family in FAMILIES:
         if family.architecture == architectures[0]:
             return family
-    raise ValueError(f"architecture {architectures[0]!r} is not supported; supported architectures: "
-                     f"{', '.join(f.architecture for f in FAMILIES)}")
+    raise ValueError(
+        f"architecture {architectures[0]!r} is not supported; supported architectures: "
+        f"{', '.join(f.architecture for f in FAMILIES)}"
+    )
 
 
 def for_export(config: ModelConfig) -> Family:
@@ -25,5 +27,7 @@ def for_export(config: ModelConfig) -> Family:
     for family in FAMILIES:
         if family.family == config.family and family.exports(config):
             return family
-    raise ValueError(f"model.family={config.family!r} cannot be converted to Hugging Face; supported families: "
-                     f"{', '.join(dict.fromkeys(f.family for f in FAMILIES))}")
+    raise ValueError(
+        f"model.family={config.family!r} cannot be converted to Hugging Face; supported families: "
+        f"{', '.join(dict.fromkeys(f.family for f in FAMILIES))}"
+    )

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from models.config import ModelConfig
 from models.hf.rope import rope_from_hf, rope_to_hf
-from models.hf.spec import Family, Tensor, heads_in_to_hf, heads_out_to_hf, per_layer, transpose
-from train.config import ModelConfig
+from models.hf.spec import Family, Tensor, check_required, heads_in_to_hf, heads_out_to_hf, per_layer, transpose
 
 ARCHITECTURE = "LlamaForCausalLM"
 ROPE_TYPES = ("default", "llama3")
@@ -20,16 +20,21 @@ REQUIRED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
 
 def config_from_hf(hf: dict) -> ModelConfig:
     """config.json of a LlamaForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
-    for key, value in REQUIRED.items():
-        if hf.get(key, value) != value:
-            raise ValueError(f"{ARCHITECTURE}: config.json has {key}={hf[key]!r}; only {key}={value!r} is supported")
+    check_required(hf, REQUIRED, f"{ARCHITECTURE}: config.json has")
     heads = hf["num_attention_heads"]
     return ModelConfig(
-        family="llama", vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads, mlp_dim=hf["intermediate_size"],
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        **rope_from_hf(hf, ARCHITECTURE, ROPE_TYPES))
+        family="llama",
+        vocab_size=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp_dim=hf["intermediate_size"],
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        **rope_from_hf(hf, ARCHITECTURE, ROPE_TYPES),
+    )
 
 
 def config_to_hf(config: ModelConfig) -> dict:
@@ -37,13 +42,20 @@ def config_to_hf(config: ModelConfig) -> dict:
     rope scaling's factor x original_max_position_embeddings (8192 without scaling)."""
     rope = config.rope_scaling
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": config.vocab_size,
-        "hidden_size": config.embed_dim, "intermediate_size": config.mlp_dim,
-        "num_hidden_layers": config.num_layers, "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim, "rms_norm_eps": config.norm_eps,
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.mlp_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
         "max_position_embeddings": int(rope.factor * rope.original_max_position_embeddings),
-        **REQUIRED, **rope_to_hf(config, ARCHITECTURE, ROPE_TYPES),
+        **REQUIRED,
+        **rope_to_hf(config, ARCHITECTURE, ROPE_TYPES),
     }
 
 
@@ -63,12 +75,18 @@ def tensors(config: ModelConfig) -> list[Tensor]:
     table = [
         Tensor("model.embed_tokens.weight", ("embed", "embedding")),
         Tensor(layer + "input_layernorm.weight", ("layers", "attn_norm", "scale"), slices=per_layer),
-        *(Tensor(layer + f"self_attn.{name}_proj.weight", ("layers", "attn", name), heads_in, heads_in_to_hf,
-                 per_layer) for name in ("q", "k", "v")),
+        *(
+            Tensor(
+                layer + f"self_attn.{name}_proj.weight", ("layers", "attn", name), heads_in, heads_in_to_hf, per_layer
+            )
+            for name in ("q", "k", "v")
+        ),
         Tensor(layer + "self_attn.o_proj.weight", ("layers", "attn", "o"), heads_out, heads_out_to_hf, per_layer),
         Tensor(layer + "post_attention_layernorm.weight", ("layers", "mlp_norm", "scale"), slices=per_layer),
-        *(Tensor(layer + f"mlp.{name}_proj.weight", ("layers", "mlp", name), transpose, transpose, per_layer)
-          for name in ("gate", "up", "down")),
+        *(
+            Tensor(layer + f"mlp.{name}_proj.weight", ("layers", "mlp", name), transpose, transpose, per_layer)
+            for name in ("gate", "up", "down")
+        ),
         Tensor("model.norm.weight", ("final_norm", "scale")),
     ]
     if not config.tie_embeddings:

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from train.config import ModelConfig, RopeScalingConfig
+from layers.rope import RopeScalingConfig
+from models.config import ModelConfig
+from models.hf.spec import check_required
 
 # Hugging Face rope_type -> (our RopeScalingConfig.type, the RopeScalingConfig fields it carries)
 ROPE_TYPES = {
     "default": ("none", ()),
     "llama3": ("llama3", ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
-    "yarn": ("yarn", ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale",
-                      "mscale_all_dim")),
+    "yarn": (
+        "yarn",
+        ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+    ),
 }
 # Yarn fields transformers lets a config.json leave out -> the value that computes the same. A zero mscale or
 # mscale_all_dim means "absent" on both sides: the cos/sin factor then depends on `factor` alone and the softmax
@@ -60,22 +64,23 @@ def rope_from_hf(hf: dict, architecture: str, supported: tuple[str, ...]) -> dic
     params = _parameters(hf)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in supported:
-        raise ValueError(f"{architecture}: rope type {kind!r} is not supported; supported rope types: "
-                         f"{', '.join(supported)}")
-    for key, value in REQUIRED.items():
-        if params.get(key, value) != value:
-            raise ValueError(f"{architecture}: rope parameter {key}={params[key]!r} is not supported; only "
-                             f"{key}={value!r}")
+        raise ValueError(
+            f"{architecture}: rope type {kind!r} is not supported; supported rope types: {', '.join(supported)}"
+        )
+    check_required(params, REQUIRED, f"{architecture}: config.json has rope parameter")
     params = _fill_defaults(kind, params, hf)
     ours, fields = ROPE_TYPES[kind]
     missing = [name for name in fields if params.get(name) is None]
     if missing:
-        raise ValueError(f"{architecture}: rope type {kind!r} needs {', '.join(missing)} in its rope parameters, "
-                         f"got {params}")
+        raise ValueError(
+            f"{architecture}: rope type {kind!r} needs {', '.join(missing)} in its rope parameters, got {params}"
+        )
     defaults = RopeScalingConfig()
     values = {name: type(getattr(defaults, name))(params[name]) for name in fields}
-    return {"rope_theta": float(params.get("rope_theta", DEFAULT_THETA)),
-            "rope_scaling": RopeScalingConfig(type=ours, **values)}
+    return {
+        "rope_theta": float(params.get("rope_theta", DEFAULT_THETA)),
+        "rope_scaling": RopeScalingConfig(type=ours, **values),
+    }
 
 
 def rope_to_hf(config: ModelConfig, architecture: str, supported: tuple[str, ...]) -> dict:
@@ -84,10 +89,14 @@ def rope_to_hf(config: ModelConfig, architecture: str, supported: tuple[str, ...
     kinds = {ours: kind for kind, (ours, _) in ROPE_TYPES.items() if kind in supported}
     scaling = config.rope_scaling
     if scaling.type not in kinds:
-        raise ValueError(f"{architecture}: model.rope_scaling.type={scaling.type!r} cannot be exported; "
-                         f"supported: {', '.join(kinds)}")
+        raise ValueError(
+            f"{architecture}: model.rope_scaling.type={scaling.type!r} cannot be exported; "
+            f"supported: {', '.join(kinds)}"
+        )
     kind = kinds[scaling.type]
     fields = dataclasses.asdict(scaling)
-    rope_scaling = {"rope_type": kind, **{name: fields[name] for name in ROPE_TYPES[kind][1]
-                                          if fields[name] or name not in ABSENT_WHEN_ZERO}}
+    rope_scaling = {
+        "rope_type": kind,
+        **{name: fields[name] for name in ROPE_TYPES[kind][1] if fields[name] or name not in ABSENT_WHEN_ZERO},
+    }
     return {"rope_theta": config.rope_theta, "rope_scaling": None if kind == "default" else rope_scaling}

@@ -6,15 +6,23 @@ descriptions, so a new family is added without touching another one (register it
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import numpy as np
 
-from train.config import ModelConfig
+from models.config import ModelConfig
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 Slices = Callable[[ModelConfig], Iterator[tuple[dict, tuple[int, ...]]]]
+
+
+def check_required(settings: dict, required: dict, what: str) -> None:
+    """ValueError unless each key of `required` is absent from `settings` (a config.json or its rope parameters) or
+    has the value our model can represent; `what` names the source, e.g. "LlamaForCausalLM: config.json has"."""
+    for key, value in required.items():
+        if settings.get(key, value) != value:
+            raise ValueError(f"{what} {key}={settings[key]!r}; only {key}={value!r} is supported")
 
 
 def whole(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:

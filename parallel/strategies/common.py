@@ -31,8 +31,11 @@ def specs(mesh, axis):
     batch = logical_spec(("batch",), mesh)[0]
     heads, kv_heads = logical_spec(("heads",), mesh)[0], logical_spec(("kv_heads",), mesh)[0]
     length = axis if isinstance(axis, str) else tuple(axis)
-    return (PartitionSpec(batch, length, heads, None), PartitionSpec(batch, length, kv_heads, None),
-            PartitionSpec(batch, length))
+    return (
+        PartitionSpec(batch, length, heads, None),
+        PartitionSpec(batch, length, kv_heads, None),
+        PartitionSpec(batch, length),
+    )
 
 
 def global_index(length: int, plan, cp: int) -> np.ndarray:
@@ -50,9 +53,19 @@ def local_piece(index: np.ndarray, shards: int, rank):
 
 def kernel(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, plan):
     """The local attention kernel with the plan's block sizes -> (out, lse)."""
-    return blockwise.attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=q_index,
-                               kv_index=kv_index, causal=causal, scale=scale, block_q=plan.block_q,
-                               block_kv=plan.block_kv)
+    return blockwise.attention(
+        q,
+        k,
+        v,
+        q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg,
+        q_index=q_index,
+        kv_index=kv_index,
+        causal=causal,
+        scale=scale,
+        block_q=plan.block_q,
+        block_kv=plan.block_kv,
+    )
 
 
 def run_sharded(local, mesh, axis, q, k, v, segment_ids):
@@ -60,5 +73,6 @@ def run_sharded(local, mesh, axis, q, k, v, segment_ids):
     logical rules say) and returns the global output [batch, length, heads, dv]. None segment ids = one document."""
     q_spec, kv_spec, seg_spec = specs(mesh, axis)
     seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v, seg)
+    return jax.shard_map(
+        local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False
+    )(q, k, v, seg)

@@ -50,13 +50,14 @@ def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: 
             return fwd(q, k_s, v_s, seg, kv_seg, q_index, kv_index, causal=causal)
 
         def early():  # source < rank: its first chunk precedes both of ours, its second follows both
-            return fwd(q, k_s[:, :half], v_s[:, :half], seg, kv_seg[:, :half], q_index, kv_index[:half],
-                       causal=False)
+            return fwd(q, k_s[:, :half], v_s[:, :half], seg, kv_seg[:, :half], q_index, kv_index[:half], causal=False)
 
         def late():  # source > rank: our first chunk sees nothing of it, our second chunk sees all of it
             out, lse = fwd(q[:, half:], k_s, v_s, seg[:, half:], kv_seg, q_index[half:], kv_index, causal=False)
-            return (jnp.concatenate([jnp.zeros_like(out), out], axis=1),
-                    jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1))
+            return (
+                jnp.concatenate([jnp.zeros_like(out), out], axis=1),
+                jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1),
+            )
 
         return lax.cond(source < rank, early, late)
 
@@ -70,14 +71,36 @@ def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: 
             return dq, jnp.concatenate([dk, dv], axis=-1)
 
         def early():
-            dq, dk, dv = bwd(q, k_s[:, :half], v_s[:, :half], seg, kv_seg[:, :half], q_index, kv_index[:half],
-                             out, lse, dout, causal=False)
+            dq, dk, dv = bwd(
+                q,
+                k_s[:, :half],
+                v_s[:, :half],
+                seg,
+                kv_seg[:, :half],
+                q_index,
+                kv_index[:half],
+                out,
+                lse,
+                dout,
+                causal=False,
+            )
             dkv = jnp.concatenate([dk, dv], axis=-1)
             return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=1)
 
         def late():
-            dq, dk, dv = bwd(q[:, half:], k_s, v_s, seg[:, half:], kv_seg, q_index[half:], kv_index,
-                             out[:, half:], lse[:, half:], dout[:, half:], causal=False)
+            dq, dk, dv = bwd(
+                q[:, half:],
+                k_s,
+                v_s,
+                seg[:, half:],
+                kv_seg,
+                q_index[half:],
+                kv_index,
+                out[:, half:],
+                lse[:, half:],
+                dout[:, half:],
+                causal=False,
+            )
             return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), jnp.concatenate([dk, dv], axis=-1)
 
         return lax.cond(source < rank, early, late)
@@ -86,6 +109,9 @@ def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: 
         rank = lax.axis_index(axis)
         seg_all = lax.all_gather(seg, axis)  # [cp, batch, n]: small, so gathered once instead of rotated
         in_flight = lax.ppermute(kv, axis, to_next) if cp > 1 else kv  # issued before step 0's compute
+        # The first and the last step are peeled off the scan: the first is the causal diagonal (the local block,
+        # no permute to wait for) and its result initialises the merge; the last issues no permute, since no
+        # block is needed after it. The scan body is then the same for every middle step: permute, compute, merge.
         out, lse = step_forward(q, seg, kv, seg_all, rank, rank, first=True)
 
         def body(carry, i):

@@ -19,8 +19,10 @@ from parallel.strategies.common import axis_size, global_index, kernel, run_shar
 def check_heads(heads: int, kv_heads: int, size: int, axis) -> None:
     """Query heads must split evenly over the Ulysses axis."""
     if heads % size:
-        raise ValueError(f"ulysses over mesh axis {axis!r} of size {size} needs query heads divisible by {size}; "
-                         f"got {heads} heads (choose a context size that divides {heads})")
+        raise ValueError(
+            f"ulysses over mesh axis {axis!r} of size {size} needs query heads divisible by {size}; "
+            f"got {heads} heads (choose a context size that divides {heads})"
+        )
 
 
 def scatter_heads(q, k, v, seg, axis: str, size: int):
@@ -36,8 +38,8 @@ def scatter_heads(q, k, v, seg, axis: str, size: int):
     merged = lax.all_to_all(merged, axis, split_axis=2, concat_axis=1, tiled=True)  # [batch, n*size, size_w]
     q_w, k_w, _ = widths
     q_h = merged[..., :q_w].reshape(batch, n * size, heads // size, q.shape[-1])
-    k_h = merged[..., q_w:q_w + k_w].reshape(batch, n * size, k.shape[2] // size, k.shape[-1])
-    v_h = merged[..., q_w + k_w:].reshape(batch, n * size, k.shape[2] // size, v.shape[-1])
+    k_h = merged[..., q_w : q_w + k_w].reshape(batch, n * size, k.shape[2] // size, k.shape[-1])
+    v_h = merged[..., q_w + k_w :].reshape(batch, n * size, k.shape[2] // size, v.shape[-1])
     return q_h, k_h, v_h, lax.all_gather(seg, axis, axis=1, tiled=True)
 
 
@@ -51,8 +53,9 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     axis, size = plan.axis, axis_size(mesh, plan.axis)
     check_heads(q.shape[2], k.shape[2], size, axis)
     index = jnp.asarray(global_index(q.shape[1], plan, size))
-    use_fused = fused.usable(q, k, v, segment_ids=segment_ids, contiguous=plan.layout == "contiguous" or size == 1,
-                             enabled=plan.fused)
+    use_fused = fused.usable(
+        q, k, v, segment_ids=segment_ids, contiguous=plan.layout == "contiguous" or size == 1, enabled=plan.fused
+    )
 
     def local(q, k, v, seg):
         q, k, v, seg = scatter_heads(q, k, v, seg, axis, size)

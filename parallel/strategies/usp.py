@@ -4,7 +4,6 @@ as its local block, load-balanced when the layout is dual_chunk over the ring si
 
 from __future__ import annotations
 
-
 from parallel.strategies.common import axis_size, global_index, run_sharded
 from parallel.strategies.ring import ring_local
 from parallel.strategies.ulysses import check_heads, gather_heads, scatter_heads

@@ -49,7 +49,7 @@ def test_chunked_equals_plain_value_and_gradient(chunk_size):
     np.testing.assert_allclose(float(weight_sum), float(jnp.sum(weights)), rtol=1e-6)
     plain_grads = jax.grad(plain, argnums=(0, 1))(hidden, kernel)
     chunked_grads = jax.jit(jax.grad(chunked, argnums=(0, 1)))(hidden, kernel)
-    for got, want in zip(chunked_grads, plain_grads):
+    for got, want in zip(chunked_grads, plain_grads, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 

@@ -14,14 +14,31 @@ from train.config import RopeScalingConfig
 
 EMBED, HEADS, Q_LORA, KV_LORA, NOPE, ROPE, V = 32, 4, 24, 16, 8, 8, 12
 THETA, EPS = 10000.0, 1e-6
-YARN = RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=16, beta_fast=32.0,
-                         beta_slow=1.0, mscale=1.0, mscale_all_dim=0.8)
+YARN = RopeScalingConfig(
+    type="yarn",
+    factor=40.0,
+    original_max_position_embeddings=16,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
 
 
 def make_model(q_lora_rank, scaling, seed=0):
-    model = MLA(EMBED, HEADS, q_lora_rank=q_lora_rank, kv_lora_rank=KV_LORA, qk_nope_head_dim=NOPE,
-                qk_rope_head_dim=ROPE, v_head_dim=V, rope_theta=THETA, rope_scaling=scaling, norm_eps=EPS,
-                rngs=nnx.Rngs(seed))
+    model = MLA(
+        EMBED,
+        HEADS,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=KV_LORA,
+        qk_nope_head_dim=NOPE,
+        qk_rope_head_dim=ROPE,
+        v_head_dim=V,
+        rope_theta=THETA,
+        rope_scaling=scaling,
+        norm_eps=EPS,
+        rngs=nnx.Rngs(seed),
+    )
     rng = np.random.default_rng(seed + 100)
     norms = [model.kv_a_norm] + ([model.q_a_norm] if q_lora_rank else [])
     for norm in norms:  # non-trivial norm scales, so that their use is checked too
@@ -53,7 +70,7 @@ def rope_interleaved(x, positions, inv_freq, attention_factor):
     freqs = positions[..., None].astype(np.float64) * inv_freq.astype(np.float64)
     emb = np.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
     cos, sin = np.cos(emb) * attention_factor, np.sin(emb) * attention_factor
-    rotated_half = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], axis=-1)
+    rotated_half = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
     return x * cos + rotated_half * sin
 
 
@@ -70,7 +87,8 @@ def reference(model, x, positions, segment_ids, scaling, softmax_multiplier):
     attention_factor = 1.0
     if scaling is not None:
         attention_factor = (0.1 * scaling.mscale * math.log(scaling.factor) + 1) / (
-            0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1)
+            0.1 * scaling.mscale_all_dim * math.log(scaling.factor) + 1
+        )
     q_pe = rope_interleaved(q[..., NOPE:], positions, inv_freq, attention_factor)
     k_pe = rope_interleaved(compressed[..., None, KV_LORA:], positions, inv_freq, attention_factor)
     query = np.concatenate([q[..., :NOPE], q_pe], axis=-1)
@@ -110,16 +128,23 @@ def test_matches_reference_packed(q_lora_rank, scaling):
 
 def test_param_shapes_and_names():
     shapes = {name: value.shape for name, value in param_arrays(make_model(Q_LORA, None)).items()}
-    assert shapes == {"q_a": (EMBED, Q_LORA), "q_a_norm/scale": (Q_LORA,), "q_b": (Q_LORA, HEADS, NOPE + ROPE),
-                      "kv_a": (EMBED, KV_LORA + ROPE), "kv_a_norm/scale": (KV_LORA,),
-                      "kv_b": (KV_LORA, HEADS, NOPE + V), "o": (HEADS, V, EMBED)}
+    assert shapes == {
+        "q_a": (EMBED, Q_LORA),
+        "q_a_norm/scale": (Q_LORA,),
+        "q_b": (Q_LORA, HEADS, NOPE + ROPE),
+        "kv_a": (EMBED, KV_LORA + ROPE),
+        "kv_a_norm/scale": (KV_LORA,),
+        "kv_b": (KV_LORA, HEADS, NOPE + V),
+        "o": (HEADS, V, EMBED),
+    }
     full = {name: value.shape for name, value in param_arrays(make_model(0, None)).items()}
     assert full["q"] == (EMBED, HEADS, NOPE + ROPE) and "q_a" not in full and "q_b" not in full
 
 
 def test_yarn_softmax_factor_changes_output():
-    scaling = RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=16, mscale=1.0,
-                                mscale_all_dim=1.0)  # DeepSeek-V3: rotary factor 1, softmax factor mscale ** 2
+    scaling = RopeScalingConfig(
+        type="yarn", factor=40.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0
+    )  # DeepSeek-V3: rotary factor 1, softmax factor mscale ** 2
     model = make_model(Q_LORA, scaling)
     x, positions, _ = packed_inputs()
     out = np.asarray(model(jnp.asarray(x), jnp.asarray(positions)))
@@ -141,8 +166,9 @@ def test_jit_and_gradients_reach_every_param():
         return jnp.sum(out * cotangent), out
 
     (_, out), grads = jax.value_and_grad(loss_and_out, has_aux=True)(params, jnp.asarray(x))
-    np.testing.assert_allclose(out, model(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(segment_ids)),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        out, model(jnp.asarray(x), jnp.asarray(positions), jnp.asarray(segment_ids)), rtol=1e-5, atol=1e-6
+    )
     flat = nnx.to_flat_state(grads)
     assert len(flat) == 7
     for name, grad in flat:

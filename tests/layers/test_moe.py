@@ -15,8 +15,17 @@ EMBED, MLP, EXPERTS = 16, 8, 8
 
 
 def make(num_shared=1, n_group=1, topk_group=1, k=2, **kwargs):
-    return MoE(EMBED, num_experts=EXPERTS, experts_per_token=k, moe_mlp_dim=MLP, num_shared_experts=num_shared,
-               n_group=n_group, topk_group=topk_group, rngs=nnx.Rngs(0), **kwargs)
+    return MoE(
+        EMBED,
+        num_experts=EXPERTS,
+        experts_per_token=k,
+        moe_mlp_dim=MLP,
+        num_shared_experts=num_shared,
+        n_group=n_group,
+        topk_group=topk_group,
+        rngs=nnx.Rngs(0),
+        **kwargs,
+    )
 
 
 def swiglu(x, gate, up, down):
@@ -48,17 +57,22 @@ def reference_route(x, gate, bias, k, n_group, topk_group, norm_topk_prob, scale
 
 def reference_moe(moe, x, **route):
     """Every expert on every token, combined with a dense [tokens, experts] routing matrix."""
-    p = {name: np.asarray(getattr(moe, name)[...], np.float64)
-         for name in ("gate", "bias", "experts_gate", "experts_up", "experts_down")}
+    p = {
+        name: np.asarray(getattr(moe, name)[...], np.float64)
+        for name in ("router", "bias", "experts_gate", "experts_up", "experts_down")
+    }
     tokens = np.asarray(x, np.float64).reshape(-1, x.shape[-1])
-    experts, weights = reference_route(tokens, p["gate"], p["bias"], **route)
-    combine = np.zeros((len(tokens), p["gate"].shape[1]))
+    experts, weights = reference_route(tokens, p["router"], p["bias"], **route)
+    combine = np.zeros((len(tokens), p["router"].shape[1]))
     np.put_along_axis(combine, experts, weights, -1)
-    y = sum(combine[:, e:e + 1] * swiglu(tokens, p["experts_gate"][e], p["experts_up"][e], p["experts_down"][e])
-            for e in range(combine.shape[1]))
+    y = sum(
+        combine[:, e : e + 1] * swiglu(tokens, p["experts_gate"][e], p["experts_up"][e], p["experts_down"][e])
+        for e in range(combine.shape[1])
+    )
     if moe.shared is not None:
-        y = y + swiglu(tokens, *(np.asarray(v[...], np.float64) for v in (moe.shared.gate, moe.shared.up,
-                                                                           moe.shared.down)))
+        y = y + swiglu(
+            tokens, *(np.asarray(v[...], np.float64) for v in (moe.shared.gate, moe.shared.up, moe.shared.down))
+        )
     return y.reshape(x.shape), np.bincount(experts.reshape(-1), minlength=combine.shape[1])
 
 
@@ -66,18 +80,25 @@ def rel_err(a, b):
     return np.max(np.abs(np.asarray(a, np.float64) - b)) / np.max(np.abs(b))
 
 
-@pytest.mark.parametrize("num_shared,n_group,topk_group,k,norm,score", [
-    (0, 1, 1, 3, True, "sigmoid"), (2, 1, 1, 3, False, "sigmoid"), (0, 4, 2, 3, True, "sigmoid"),
-    (1, 4, 2, 3, True, "sigmoid"), (0, 8, 2, 2, True, "softmax")])  # softmax: groups of one expert
+@pytest.mark.parametrize(
+    "num_shared,n_group,topk_group,k,norm,score",
+    [
+        (0, 1, 1, 3, True, "sigmoid"),
+        (2, 1, 1, 3, False, "sigmoid"),
+        (0, 4, 2, 3, True, "sigmoid"),
+        (1, 4, 2, 3, True, "sigmoid"),
+        (0, 8, 2, 2, True, "softmax"),
+    ],
+)  # softmax: groups of one expert
 def test_equals_dense_reference(num_shared, n_group, topk_group, k, norm, score):
-    moe = make(num_shared, n_group, topk_group, k=k, norm_topk_prob=norm, routed_scaling_factor=2.5,
-               router_score=score)
+    moe = make(num_shared, n_group, topk_group, k=k, norm_topk_prob=norm, routed_scaling_factor=2.5, router_score=score)
     moe.bias[...] = 0.1 * jax.random.normal(jax.random.key(2), (EXPERTS,))
     x = jax.random.normal(jax.random.key(1), (2, 16, EMBED))
     y, stats = nnx.jit(lambda m, x: m(x))(moe, x)
     counts = stats["counts"]
-    expected, expected_counts = reference_moe(moe, x, k=k, n_group=n_group, topk_group=topk_group,
-                                              norm_topk_prob=norm, scale=2.5, score=score)
+    expected, expected_counts = reference_moe(
+        moe, x, k=k, n_group=n_group, topk_group=topk_group, norm_topk_prob=norm, scale=2.5, score=score
+    )
     assert y.shape == x.shape and y.dtype == jnp.float32 and counts.dtype == jnp.float32
     assert rel_err(y, expected) <= 1e-5
     np.testing.assert_array_equal(np.asarray(counts), expected_counts)
@@ -86,7 +107,7 @@ def test_equals_dense_reference(num_shared, n_group, topk_group, k, norm, score)
 
 def test_annotations_shapes_and_dtype():
     moe = make(num_shared=2, dtype=jnp.bfloat16)
-    assert moe.gate[...].shape == (EMBED, EXPERTS) and moe.bias[...].shape == (EXPERTS,)
+    assert moe.router[...].shape == (EMBED, EXPERTS) and moe.bias[...].shape == (EXPERTS,)
     assert isinstance(moe.bias, RouterBias) and not isinstance(moe.bias, nnx.Param)
     assert moe.experts_gate[...].shape == moe.experts_up[...].shape == (EXPERTS, EMBED, MLP)
     assert moe.experts_down[...].shape == (EXPERTS, MLP, EMBED)
@@ -95,16 +116,20 @@ def test_annotations_shapes_and_dtype():
     assert isinstance(moe.shared, SwiGLU) and moe.shared.up[...].shape == (EMBED, 2 * MLP)
     assert make(num_shared=0).shared is None
     y, stats = nnx.jit(lambda m, x: m(x))(moe, jnp.ones((1, 4, EMBED)))
-    assert y.dtype == jnp.bfloat16 and stats["counts"].dtype == stats["dropped"].dtype == jnp.float32 and moe.experts_up[...].dtype == jnp.float32
+    assert (
+        y.dtype == jnp.bfloat16
+        and stats["counts"].dtype == stats["dropped"].dtype == jnp.float32
+        and moe.experts_up[...].dtype == jnp.float32
+    )
 
 
 def routed(logits, bias=None, **kwargs):
     """Routes one-hot tokens so that the router logits are exactly `logits` [tokens <= EMBED, experts]."""
     moe = make(**kwargs)
-    moe.gate[...] = jnp.zeros((EMBED, EXPERTS)).at[:len(logits)].set(jnp.asarray(logits, jnp.float32))
+    moe.router[...] = jnp.zeros((EMBED, EXPERTS)).at[: len(logits)].set(jnp.asarray(logits, jnp.float32))
     if bias is not None:
         moe.bias[...] = jnp.asarray(bias, jnp.float32)
-    weights, experts = nnx.jit(lambda m, t: m.route(t))(moe, jnp.eye(EMBED)[:len(logits)])
+    weights, experts = nnx.jit(lambda m, t: m.route(t))(moe, jnp.eye(EMBED)[: len(logits)])
     return np.asarray(weights), np.sort(np.asarray(experts), -1)
 
 
@@ -121,8 +146,9 @@ def test_group_limited_routing_stays_in_the_best_groups():
     bias = rng.normal(size=EXPERTS)
     _, experts = routed(logits, bias=bias, n_group=4, topk_group=2, k=3)
     assert np.all(np.array([len(set(row // 2)) for row in experts]) <= 2)
-    expected, _ = reference_route(logits, np.eye(EXPERTS), bias, k=3, n_group=4, topk_group=2,
-                                  norm_topk_prob=True, scale=1.0)
+    expected, _ = reference_route(
+        logits, np.eye(EXPERTS), bias, k=3, n_group=4, topk_group=2, norm_topk_prob=True, scale=1.0
+    )
     np.testing.assert_array_equal(experts, np.sort(expected, -1))
 
 
@@ -143,8 +169,9 @@ def test_softmax_routing_ignores_the_bias_and_keeps_probabilities():
     probabilities = np.exp(logits[0]) / np.exp(logits[0]).sum()
     bias = np.zeros(EXPERTS)
     bias[6] = 10.0
-    weights, experts = routed(logits, bias=bias, norm_topk_prob=False, routed_scaling_factor=1.5,
-                              router_score="softmax")
+    weights, experts = routed(
+        logits, bias=bias, norm_topk_prob=False, routed_scaling_factor=1.5, router_score="softmax"
+    )
     assert experts.tolist() == [[0, 1]]
     np.testing.assert_allclose(np.sort(weights[0]), 1.5 * np.sort(probabilities[[0, 1]]), rtol=1e-6)
     # group-limited: groups of 2 scored by their best expert; the best group (0, 1) and then (2, 3) are kept
@@ -159,8 +186,7 @@ def test_norm_topk_prob_and_routed_scaling_factor():
     np.testing.assert_allclose(weights.sum(-1), 2.5, rtol=1e-6)
     raw, raw_experts = routed(logits, k=3, norm_topk_prob=False, routed_scaling_factor=2.5)
     np.testing.assert_array_equal(experts, raw_experts)
-    np.testing.assert_allclose(np.sort(raw, -1), 2.5 * np.sort(np.take_along_axis(scores, experts, -1), -1),
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.sort(raw, -1), 2.5 * np.sort(np.take_along_axis(scores, experts, -1), -1), rtol=1e-6)
 
 
 def test_dropless_experts_equal_per_expert_loop():
@@ -170,8 +196,9 @@ def test_dropless_experts_equal_per_expert_loop():
     experts = jnp.asarray(np.random.default_rng(2).choice([0, 0, 0, 2, 3, 4, 6, 7], size=(12, 3)), jnp.int32)
     weights = jax.random.uniform(jax.random.key(4), (12, 3))
     kernels = (moe.experts_gate[...], moe.experts_up[...], moe.experts_down[...])
-    y, counts, dropped = jax.jit(lambda t: routed_experts(t[None], lambda _: (weights, experts), (), expert_swiglu,
-                                                          kernels, num_experts=EXPERTS, capacity_factor=1.0))(tokens)
+    y, counts, dropped = jax.jit(
+        lambda t: routed_experts(t[None], lambda _: (weights, experts), (), expert_swiglu, kernels, num_experts=EXPERTS)
+    )(tokens)
     y = y[0]
     expected = jnp.zeros_like(tokens)
     for e in range(EXPERTS):
@@ -199,8 +226,15 @@ def test_gradients_reach_params_but_not_the_router_bias():
 
     grads = nnx.jit(nnx.grad(loss))(moe)
     assert not jax.tree.leaves(nnx.state(grads, RouterBias))
-    for path in (("gate",), ("experts_gate",), ("experts_up",), ("experts_down",),
-                 ("shared", "gate"), ("shared", "up"), ("shared", "down")):
+    for path in (
+        ("router",),
+        ("experts_gate",),
+        ("experts_up",),
+        ("experts_down",),
+        ("shared", "gate"),
+        ("shared", "up"),
+        ("shared", "down"),
+    ):
         g = np.asarray(grads[path[0]][path[1]][...] if len(path) == 2 else grads[path[0]][...])
         assert np.all(np.isfinite(g)) and np.any(g != 0), path
     _, params, rest = nnx.split(moe, nnx.Param, ...)
@@ -208,16 +242,18 @@ def test_gradients_reach_params_but_not_the_router_bias():
     assert "bias" not in params and list(rest) == ["bias"] and isinstance(rest["bias"], RouterBias)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(n_group=3), "divisible by n_group=3"),
-    (dict(n_group=4, topk_group=5), "topk_group=5"),
-    (dict(k=9), "experts_per_token=9"),
-    (dict(n_group=4, topk_group=1, k=3), "experts_per_token=3 must be in \\[1, 2\\]"),
-    (dict(n_group=8, topk_group=1), "at least 2 experts per group"),
-    (dict(num_shared=-1), "num_shared_experts=-1"),
-    (dict(router_score="tanh"), "router_score='tanh' must be one of sigmoid, softmax"),
-    (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(n_group=3), "divisible by n_group=3"),
+        (dict(n_group=4, topk_group=5), "topk_group=5"),
+        (dict(k=9), "experts_per_token=9"),
+        (dict(n_group=4, topk_group=1, k=3), "experts_per_token=3 must be in \\[1, 2\\]"),
+        (dict(n_group=8, topk_group=1), "at least 2 experts per group"),
+        (dict(num_shared=-1), "num_shared_experts=-1"),
+        (dict(router_score="tanh"), "router_score='tanh' must be one of sigmoid, softmax"),
+    ],
+)
 def test_invalid_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         make(**kwargs)
@@ -228,26 +264,45 @@ def test_equals_transformers(version):
     """V3: sigmoid, biased, group-limited; V2: softmax, group_limited_greedy, weights not renormalised."""
     torch = pytest.importorskip("torch")
     modeling = pytest.importorskip(f"transformers.models.deepseek_{version}.modeling_deepseek_{version}")
-    common = dict(hidden_size=EMBED, num_attention_heads=2, moe_intermediate_size=MLP, n_routed_experts=EXPERTS,
-                  num_experts_per_tok=3, n_shared_experts=2, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    common = dict(
+        hidden_size=EMBED,
+        num_attention_heads=2,
+        moe_intermediate_size=MLP,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=3,
+        n_shared_experts=2,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+    )
     if version == "v3":
         hf = modeling.DeepseekV3MoE(modeling.DeepseekV3Config(norm_topk_prob=True, **common))
         moe = make(num_shared=2, n_group=4, topk_group=2, k=3, routed_scaling_factor=2.5)
         moe.bias[...] = jnp.linspace(-1.5, -0.5, EXPERTS)  # negative biased scores: the group mask value matters
     else:
         hf = modeling.DeepseekV2Moe(modeling.DeepseekV2Config(topk_method="group_limited_greedy", **common))
-        moe = make(num_shared=2, n_group=4, topk_group=2, k=3, routed_scaling_factor=2.5, norm_topk_prob=False,
-                   router_score="softmax")
+        moe = make(
+            num_shared=2,
+            n_group=4,
+            topk_group=2,
+            k=3,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=False,
+            router_score="softmax",
+        )
 
     def t(v):
         return torch.from_numpy(np.array(v[...]).T.copy())
 
     with torch.no_grad():
-        hf.gate.weight.copy_(t(moe.gate))
+        hf.gate.weight.copy_(t(moe.router))
         if version == "v3":
             hf.gate.e_score_correction_bias.copy_(torch.from_numpy(np.array(moe.bias[...])))
-        hf.experts.gate_up_proj.copy_(torch.cat([torch.from_numpy(np.array(moe.experts_gate[...])),
-                                                 torch.from_numpy(np.array(moe.experts_up[...]))], -1).transpose(1, 2))
+        hf.experts.gate_up_proj.copy_(
+            torch.cat(
+                [torch.from_numpy(np.array(moe.experts_gate[...])), torch.from_numpy(np.array(moe.experts_up[...]))], -1
+            ).transpose(1, 2)
+        )
         hf.experts.down_proj.copy_(torch.from_numpy(np.array(moe.experts_down[...])).transpose(1, 2))
         for name in ("gate", "up", "down"):
             getattr(hf.shared_experts, f"{name}_proj").weight.copy_(t(getattr(moe.shared, name)))

@@ -55,7 +55,10 @@ def test_plain_frequencies():
 
 def test_llama3_frequencies():
     scaling = RopeScalingConfig(
-        type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
         original_max_position_embeddings=8192,
     )
     inv_freq, attention_factor = inverse_frequencies(128, 500000.0, scaling)
@@ -69,8 +72,13 @@ def test_llama3_frequencies():
 @pytest.mark.parametrize("dim,theta,factor,original", [(64, 10000.0, 40.0, 4096), (128, 1e6, 4.0, 32768)])
 def test_yarn_frequencies(dim, theta, factor, original):
     scaling = SimpleNamespace(
-        type="yarn", factor=factor, original_max_position_embeddings=original,
-        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+        type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
     )
     inv_freq, _ = inverse_frequencies(dim, theta, scaling)
     expected = reference_yarn(dim, theta, factor, original, 32.0, 1.0)
@@ -131,7 +139,7 @@ def hf_interleave_reference(x, positions, inv_freq, attention_factor):
     freqs = positions.astype(np.float32)[..., None] * inv_freq
     emb = np.concatenate([freqs, freqs], axis=-1)[:, :, None, :].astype(np.float64)
     cos, sin = np.cos(emb) * attention_factor, np.sin(emb) * attention_factor
-    rotated_half = np.concatenate([-x[..., d // 2:], x[..., : d // 2]], axis=-1)
+    rotated_half = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
     return x * cos + rotated_half * sin
 
 
@@ -170,9 +178,7 @@ def test_scores_depend_only_on_relative_position(interleaved):
 
     def scores(offset):
         rq = apply_rope(jnp.broadcast_to(q, (1, 4, 1, 16)), query_positions, inv_freq, interleaved=interleaved)
-        rk = apply_rope(
-            jnp.broadcast_to(k, (1, 4, 1, 16)), query_positions - offset, inv_freq, interleaved=interleaved
-        )
+        rk = apply_rope(jnp.broadcast_to(k, (1, 4, 1, 16)), query_positions - offset, inv_freq, interleaved=interleaved)
         return np.asarray(jnp.sum(rq * rk, axis=-1)).ravel()
 
     for offset in (0, 3):

@@ -19,7 +19,7 @@ from train.state import create_state
 from train.step import make_train_step
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-TINY = load_config(REPO / "configs" / "deepseek-tiny.yaml", ["model.dtype=float32"]).model
+TINY = load_config(REPO / "configs" / "deepseek-tiny.yaml", ["compute.dtype=float32"]).model
 
 
 def tokens(batch=2, length=32, seed=0):
@@ -59,16 +59,36 @@ def test_router_bias_is_not_a_parameter():
     params = nnx.state(model, nnx.Param)
     biases = nnx.state(model, RouterBias)
     assert jax.tree.leaves(biases) and not any(
-        "bias" in str(path) and "mlp" in str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0])
+        "bias" in str(path) and "mlp" in str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]
+    )
 
 
 def test_tiny_config_trains_over_context_tensor_and_expert_axes(tmp_path):
-    run(load_config(REPO / "configs" / "deepseek-tiny.yaml", [
-        "mesh.fsdp=1", "mesh.context=2", "mesh.tensor=2", "mesh.expert=2", "parallel.context_strategy=ring",
-        "data.seq_len=64", "data.max_documents=60", "train.steps=8", "train.log_every_steps=1",
-        "train.eval_batches=0", "train.sample_tokens=0", "train.progress_bar=false", "optimizer.warmup_steps=0",
-        "optimizer.learning_rate=3e-3", "checkpoint.enabled=false", "model.dtype=float32",
-        f"train.output_dir={tmp_path}"]))
+    run(
+        load_config(
+            REPO / "configs" / "deepseek-tiny.yaml",
+            [
+                "mesh.fsdp=1",
+                "mesh.context=2",
+                "mesh.tensor=2",
+                "mesh.expert=2",
+                "parallel.context_strategy=ring",
+                "data.seq_len=64",
+                "data.max_documents=60",
+                "train.steps=8",
+                "train.log_every_steps=1",
+                "train.eval_batches=0",
+                "train.sample_tokens=0",
+                "train.progress_bar=false",
+                "optimizer.warmup_steps=0",
+                "optimizer.learning_rate=3e-3",
+                "checkpoint.enabled=false",
+                "compute.dtype=float32",
+                "train.peak_tflops_per_device=1",  # the MFU's peak given: no CPU matmul benchmark at start
+                f"train.output_dir={tmp_path}",
+            ],
+        )
+    )
     logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert logged[-1]["loss"] < logged[0]["loss"] - 0.5, logged
     assert all(np.isfinite(r["loss"]) and r["expert_imbalance"] >= 1.0 for r in logged)
@@ -78,8 +98,13 @@ def test_train_step_moves_the_router_bias_outside_the_gradient():
     mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     state = create_state(TINY, optax.sgd(0.0), mesh, seed=0)  # zero learning rate: only the bias may move
     ids = np.asarray(tokens(4, 32))
-    batch = dict(tokens=ids, targets=np.roll(ids, -1, 1), segment_ids=np.ones_like(ids),
-                 positions=np.tile(np.arange(32, dtype=np.int32), (4, 1)), loss_mask=np.ones(ids.shape, np.float32))
+    batch = dict(
+        tokens=ids,
+        targets=np.roll(ids, -1, 1),
+        segment_ids=np.ones_like(ids),
+        positions=np.tile(np.arange(32, dtype=np.int32), (4, 1)),
+        loss_mask=np.ones(ids.shape, np.float32),
+    )
     step = make_train_step(state, mesh, chunk_size=32, accum_steps=2)
     with jax.set_mesh(mesh):
         new_state, metrics = step(jax.tree.map(jnp.copy, state.state), batch)
@@ -88,5 +113,6 @@ def test_train_step_moves_the_router_bias_outside_the_gradient():
     assert np.all(np.isin(np.round(bias / TINY.router_bias_rate), [-1, 0, 1])) and np.any(bias != 0)
     assert float(metrics["expert_imbalance"]) >= 1.0
     before = nnx.merge(state.graphdef, state.state)[0]
-    np.testing.assert_array_equal(np.asarray(model.moe_layers.mlp.experts_up[...]),
-                                  np.asarray(before.moe_layers.mlp.experts_up[...]))
+    np.testing.assert_array_equal(
+        np.asarray(model.moe_layers.mlp.experts_up[...]), np.asarray(before.moe_layers.mlp.experts_up[...])
+    )

@@ -13,39 +13,101 @@ import pytest
 import torch
 from flax import nnx
 from safetensors.numpy import load_file
-from transformers import (AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,
-                          DeepseekV3ForCausalLM)
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+)
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
 import models
-from models.hf import cli, load_pretrained, save_pretrained
+from models.hf import load_pretrained, save_pretrained
 from models.hf.deepseek import config_from_hf, v2_config_from_hf, v2_config_to_hf
+from train import hf as cli
 from train.config import load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0,
-        "beta_slow": 1.0, "mscale": 0.7, "mscale_all_dim": 0.9, "rope_theta": 10000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 8.0,
+    "beta_slow": 1.0,
+    "mscale": 0.7,
+    "mscale_all_dim": 0.9,
+    "rope_theta": 10000.0,
+}
 CASES = {  # name -> (DeepseekV3Config fields, max_shard_size of transformers' save_pretrained)
-    "q-lowrank-yarn-groups-untied-sharded": (dict(q_lora_rank=16, n_group=2, topk_group=1, rope_parameters=YARN,
-                                                  max_position_embeddings=64, tie_word_embeddings=False), "30KB"),
-    "q-fullrank-default-half-rope-tied": (dict(q_lora_rank=None, n_group=1, topk_group=1, rope_interleave=False,
-                                               norm_topk_prob=False, routed_scaling_factor=1.5,
-                                               tie_word_embeddings=True), "10MB"),
+    "q-lowrank-yarn-groups-untied-sharded": (
+        dict(
+            q_lora_rank=16,
+            n_group=2,
+            topk_group=1,
+            rope_parameters=YARN,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        ),
+        "30KB",
+    ),
+    "q-fullrank-default-half-rope-tied": (
+        dict(
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            rope_interleave=False,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+            tie_word_embeddings=True,
+        ),
+        "10MB",
+    ),
 }
 # deepseek-ai/DeepSeek-V2-Lite's config.json, less the keys no model reads
 V2_LITE = {
-    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "attention_bias": False,
-    "first_k_dense_replace": 1, "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 10944,
-    "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_intermediate_size": 1408, "moe_layer_freq": 1,
-    "n_group": 1, "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": False, "num_attention_heads": 16,
-    "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None,
-    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
-    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
-                     "original_max_position_embeddings": 4096, "type": "yarn"},
-    "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "tie_word_embeddings": False,
-    "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400,
+    "architectures": ["DeepseekV2ForCausalLM"],
+    "model_type": "deepseek_v2",
+    "attention_bias": False,
+    "first_k_dense_replace": 1,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 10944,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "moe_intermediate_size": 1408,
+    "moe_layer_freq": 1,
+    "n_group": 1,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "norm_topk_prob": False,
+    "num_attention_heads": 16,
+    "num_experts_per_tok": 6,
+    "num_hidden_layers": 27,
+    "num_key_value_heads": 16,
+    "q_lora_rank": None,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 1.0,
+    "scoring_func": "softmax",
+    "tie_word_embeddings": False,
+    "topk_group": 1,
+    "topk_method": "greedy",
+    "v_head_dim": 128,
+    "vocab_size": 102400,
 }
 
 
@@ -54,13 +116,29 @@ def hf_deepseek(path, *, v2=False, max_shard_size="10MB", **fields):
     with 8 routed experts (top 2) and a shared one; weights of std 0.1, norm scales 1 + N(0, 0.2) and (V3)
     selection biases N(0, 0.1), so that a wrong mapping shows in the logits."""
     torch.manual_seed(0)
-    config_class, model_class = (DeepseekV2Config, DeepseekV2ForCausalLM) if v2 else (DeepseekV3Config,
-                                                                                      DeepseekV3ForCausalLM)
-    config = config_class(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                          first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
-                          qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, n_routed_experts=8,
-                          num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
-                          initializer_range=0.1, rms_norm_eps=1e-6, **fields)
+    config_class, model_class = (
+        (DeepseekV2Config, DeepseekV2ForCausalLM) if v2 else (DeepseekV3Config, DeepseekV3ForCausalLM)
+    )
+    config = config_class(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_shared_experts=1,
+        initializer_range=0.1,
+        rms_norm_eps=1e-6,
+        **fields,
+    )
     model = model_class(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -105,8 +183,9 @@ def test_import_and_export_match_transformers(tmp_path, case):
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
 
     save_pretrained(model, tmp_path / "out", max_shard_bytes=40_000)
-    exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
-                                                          output_loading_info=True)
+    exported, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info  # every tensor read, none missing
     assert exported.config.to_dict()["rope_parameters"] == reference.config.to_dict()["rope_parameters"]
     np.testing.assert_allclose(hf_logits(exported, ids), logits, rtol=0, atol=1e-4)
@@ -119,8 +198,16 @@ def test_import_and_export_match_transformers(tmp_path, case):
 
 
 def test_v2_import_and_export_match_transformers(tmp_path):
-    reference = hf_deepseek(tmp_path / "hf", v2=True, q_lora_rank=None, topk_method="greedy", rope_parameters=YARN,
-                            max_position_embeddings=64, routed_scaling_factor=1.5, tie_word_embeddings=False)
+    reference = hf_deepseek(
+        tmp_path / "hf",
+        v2=True,
+        q_lora_rank=None,
+        topk_method="greedy",
+        rope_parameters=YARN,
+        max_position_embeddings=64,
+        routed_scaling_factor=1.5,
+        tie_word_embeddings=False,
+    )
     model = load_pretrained(tmp_path / "hf")
     config = model.config
     assert (config.router_score, config.router_bias_rate, config.norm_topk_prob) == ("softmax", 0.0, False)
@@ -134,8 +221,9 @@ def test_v2_import_and_export_match_transformers(tmp_path):
 
     save_pretrained(model, tmp_path / "out")
     assert "model.layers.1.mlp.gate.e_score_correction_bias" not in hf_tensors(tmp_path / "out")
-    exported, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32,
-                                                          output_loading_info=True)
+    exported, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out", dtype=torch.float32, output_loading_info=True
+    )
     assert not any(info.values()), info
     assert isinstance(exported, DeepseekV2ForCausalLM) and exported.config.topk_method == "greedy"
     assert exported.config.to_dict()["rope_parameters"] == reference.config.to_dict()["rope_parameters"]
@@ -152,24 +240,56 @@ def test_v2_group_limited_routing_round_trips():
     assert (config.n_group, config.topk_group, config.routed_scaling_factor) == (8, 3, 16.0)
     written = v2_config_to_hf(config)
     assert {key: written[key] for key in ("topk_method", "n_group", "topk_group", "scoring_func")} == {
-        "topk_method": "group_limited_greedy", "n_group": 8, "topk_group": 3, "scoring_func": "softmax"}
+        "topk_method": "group_limited_greedy",
+        "n_group": 8,
+        "topk_group": 3,
+        "scoring_func": "softmax",
+    }
     assert v2_config_from_hf(written) == config
     assert v2_config_to_hf(v2_config_from_hf(V2_LITE))["topk_method"] == "greedy"
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
-     "mscale": 1.0, "mscale_all_dim": 1.0},  # DeepSeek-V3
-    {"rope_type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "mscale": 0.707,
-     "mscale_all_dim": 0.707},  # DeepSeek-V2-Lite, beta_fast / beta_slow left out
-    {"type": "yarn", "factor": 8, "mscale_all_dim": 1.0},  # no mscale; original_max_position_embeddings left out
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+        },  # DeepSeek-V3
+        {
+            "rope_type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },  # DeepSeek-V2-Lite, beta_fast / beta_slow left out
+        {"type": "yarn", "factor": 8, "mscale_all_dim": 1.0},  # no mscale; original_max_position_embeddings left out
+    ],
+)
 def test_yarn_frequencies_and_softmax_scale_match_transformers(rope):
-    hf = DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                          num_attention_heads=2, num_key_value_heads=2, q_lora_rank=None, kv_lora_rank=16,
-                          qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=8, n_routed_experts=4,
-                          num_experts_per_tok=2, moe_intermediate_size=16, max_position_embeddings=163840,
-                          rope_scaling=dict(rope, rope_theta=10000.0))
+    hf = DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        max_position_embeddings=163840,
+        rope_scaling=dict(rope, rope_theta=10000.0),
+    )
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf)
     config_json = {k: v for k, v in hf.to_dict().items() if k != "rope_parameters"}  # as an older config.json
     config = config_from_hf(dict(config_json, rope_scaling=rope, rope_theta=10000.0))
@@ -180,11 +300,21 @@ def test_yarn_frequencies_and_softmax_scale_match_transformers(rope):
 
 
 def test_cli_import_then_export_gives_back_the_tensors(tmp_path):
-    hf_deepseek(tmp_path / "hf", max_shard_size="30KB", q_lora_rank=16, n_group=2, topk_group=1,
-                rope_parameters=YARN, max_position_embeddings=64, bos_token_id=7, eos_token_id=9)
+    hf_deepseek(
+        tmp_path / "hf",
+        max_shard_size="30KB",
+        q_lora_rank=16,
+        n_group=2,
+        topk_group=1,
+        rope_parameters=YARN,
+        max_position_embeddings=64,
+        bos_token_id=7,
+        eos_token_id=9,
+    )
     assert cli.main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
-    assert cli.main(["export", str(tmp_path / "imported"), str(tmp_path / "exported"),
-                     "--max-shard-bytes", "50000"]) == 0
+    assert (
+        cli.main(["export", str(tmp_path / "imported"), str(tmp_path / "exported"), "--max-shard-bytes", "50000"]) == 0
+    )
     original, exported = hf_tensors(tmp_path / "hf"), hf_tensors(tmp_path / "exported")
     assert sorted(original) == sorted(exported)
     for name in original:
@@ -193,16 +323,26 @@ def test_cli_import_then_export_gives_back_the_tensors(tmp_path):
     assert (written["bos_token_id"], written["eos_token_id"], written["max_position_embeddings"]) == (7, 9, 64)
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("attention_bias", True, "attention_bias=True; only attention_bias=False"),
-    ("hidden_act", "gelu", "hidden_act='gelu'; only hidden_act='silu'"),
-    ("scoring_func", "softmax", "scoring_func='softmax'; only scoring_func='sigmoid'"),
-    ("topk_method", "greedy", "topk_method='greedy'; only topk_method='noaux_tc'"),
-    ("quantization_config", {"quant_method": "fp8"}, "quantization_config 'fp8'; only unquantized"),
-    ("rope_parameters", dict(YARN, attention_factor=1.2), "attention_factor=1.2 is not supported"),
-    ("rope_parameters", {"rope_type": "llama3", "factor": 8.0}, "rope type 'llama3' is not supported; "
-                                                                "supported rope types: default, yarn"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("attention_bias", True, "attention_bias=True; only attention_bias=False"),
+        ("hidden_act", "gelu", "hidden_act='gelu'; only hidden_act='silu'"),
+        ("scoring_func", "softmax", "scoring_func='softmax'; only scoring_func='sigmoid'"),
+        ("topk_method", "greedy", "topk_method='greedy'; only topk_method='noaux_tc'"),
+        ("quantization_config", {"quant_method": "fp8"}, "quantization_config 'fp8'; only unquantized"),
+        (
+            "rope_parameters",
+            dict(YARN, attention_factor=1.2),
+            "rope parameter attention_factor=1.2; only attention_factor=None",
+        ),
+        (
+            "rope_parameters",
+            {"rope_type": "llama3", "factor": 8.0},
+            "rope type 'llama3' is not supported; supported rope types: default, yarn",
+        ),
+    ],
+)
 def test_unsupported_config_is_named(key, value, message):
     hf = DeepseekV3Config(vocab_size=128, hidden_size=32, num_attention_heads=2, n_routed_experts=4).to_dict()
     config_from_hf(hf)
@@ -210,12 +350,15 @@ def test_unsupported_config_is_named(key, value, message):
         config_from_hf(dict(hf, **{key: value}))
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("mlp_bias", True, "mlp_bias=True; only mlp_bias=False"),
-    ("norm_topk_prob", True, "norm_topk_prob=True; only norm_topk_prob=False"),
-    ("scoring_func", "sigmoid", "scoring_func='sigmoid'; only scoring_func='softmax'"),
-    ("topk_method", "noaux_tc", "topk_method='noaux_tc'; supported topk methods: greedy, group_limited_greedy"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("mlp_bias", True, "mlp_bias=True; only mlp_bias=False"),
+        ("norm_topk_prob", True, "norm_topk_prob=True; only norm_topk_prob=False"),
+        ("scoring_func", "sigmoid", "scoring_func='sigmoid'; only scoring_func='softmax'"),
+        ("topk_method", "noaux_tc", "topk_method='noaux_tc'; supported topk methods: greedy, group_limited_greedy"),
+    ],
+)
 def test_unsupported_v2_config_is_named(key, value, message):
     v2_config_from_hf(V2_LITE)
     with pytest.raises(ValueError, match=message):

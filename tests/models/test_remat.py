@@ -12,15 +12,30 @@ from models import deepseek, llama
 from models.remat import PROJECTIONS, remat
 from train.config import ModelConfig
 
-LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64,
-                    dtype="float32")
-DEEPSEEK = ModelConfig(family="deepseek", vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=4,
-                       head_dim=12, mlp_dim=64, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,
-                       qk_rope_head_dim=4, v_head_dim=8, dtype="float32")
-BLOCKS = {"llama": lambda: llama.Block(LLAMA, rngs=nnx.Rngs(0)),
-          "deepseek": lambda: deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0))}
-ATTENTION = {"llama": {"q_proj", "k_proj", "v_proj", "o_proj"},
-             "deepseek": {"q_a_proj", "q_proj", "kv_a_proj", "k_proj", "v_proj", "o_proj"}}
+LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+DEEPSEEK = ModelConfig(
+    family="deepseek",
+    vocab_size=64,
+    embed_dim=32,
+    num_layers=1,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=12,
+    mlp_dim=64,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+)
+BLOCKS = {
+    "llama": lambda: llama.Block(LLAMA, rngs=nnx.Rngs(0)),
+    "deepseek": lambda: deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0)),
+}
+ATTENTION = {
+    "llama": {"q_proj", "k_proj", "v_proj", "o_proj"},
+    "deepseek": {"q_a_proj", "q_proj", "kv_a_proj", "k_proj", "v_proj", "o_proj"},
+}
 
 
 def saved(make_block, policy: str, capsys) -> list[str]:
@@ -38,8 +53,13 @@ def saved(make_block, policy: str, capsys) -> list[str]:
     kept = []
     for line in capsys.readouterr().out.splitlines():
         named = re.search(r"named '(\w+)'", line)
-        kept.append(named.group(1) if named else "argument" if "from the argument" in line or "from a constant" in line
-                    else line)
+        kept.append(
+            named.group(1)
+            if named
+            else "argument"
+            if "from the argument" in line or "from a constant" in line
+            else line
+        )
     return kept
 
 

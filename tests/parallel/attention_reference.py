@@ -6,7 +6,8 @@ import numpy as np
 
 
 def reference(q, k, v, *, segment_ids=None, causal=True, scale=None):
-    """q [b, t, h, dqk], k [b, t, hkv, dqk], v [b, t, hkv, dv] in original order -> (out [b, t, h, dv], lse [b, t, h])."""
+    """q [b, t, h, dqk], k [b, t, hkv, dqk], v [b, t, hkv, dv] in original order
+    -> (out [b, t, h, dv], lse [b, t, h])."""
     b, t, h, dqk = q.shape
     group = h // k.shape[2]
     scale = dqk**-0.5 if scale is None else scale
@@ -35,9 +36,9 @@ def packed_segments(batch: int, length: int, seed: int = 0) -> np.ndarray:
             if rng.random() < 0.2:
                 pos += size  # a padding gap
                 continue
-            seg[row, pos:pos + size] = doc
+            seg[row, pos : pos + size] = doc
             pos, doc = pos + size, doc + 1
-        seg[row, -int(rng.integers(1, 4)):] = 0
+        seg[row, -int(rng.integers(1, 4)) :] = 0
     return seg
 
 

@@ -4,10 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
 from parallel import blockwise
 from parallel.segments import block_summary, visible_blocks
+from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
 HEADS = {"mha": (4, 4, 16, 16), "gqa": (4, 2, 16, 16), "mla": (2, 2, 24, 16)}  # heads, kv heads, dqk, dv
 
@@ -33,25 +33,27 @@ def test_kernel_matches_reference(heads):
         def f(q, k, v):
             out, lse = fn(q, k, v)
             return jnp.sum(out * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse), (out, lse)
+
         return f
 
     def kernel_all(q, k, v):
         results = []
         for causal, packed in cases:
             s = seg if packed else None
-            fn = lambda q, k, v: blockwise.attention(q, k, v, q_segment_ids=s, kv_segment_ids=s, causal=causal,
-                                                     block_q=16, block_kv=8)
+            fn = lambda q, k, v: blockwise.attention(
+                q, k, v, q_segment_ids=s, kv_segment_ids=s, causal=causal, block_q=16, block_kv=8
+            )
             results.append(jax.grad(loss(fn), argnums=(0, 1, 2), has_aux=True)(q, k, v))
         return results
 
-    for (causal, packed), (grads, (out, lse)) in zip(cases, jax.jit(kernel_all)(q, k, v)):
+    for (causal, packed), (grads, (out, lse)) in zip(cases, jax.jit(kernel_all)(q, k, v), strict=True):
         s = seg if packed else None
         ref_fn = lambda q, k, v: reference(q, k, v, segment_ids=s, causal=causal)
         ref_grads, (ref_out, ref_lse) = jax.grad(loss(ref_fn), argnums=(0, 1, 2), has_aux=True)(q, k, v)
         assert relative_error(out, ref_out) < 2e-5
         assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))
         assert relative_error(jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(ref_lse), ref_lse, 0)) < 2e-5
-        for g, r in zip(grads, ref_grads):
+        for g, r in zip(grads, ref_grads, strict=True):
             assert not np.isnan(np.asarray(g)).any()
             assert relative_error(g, r) < 2e-5
         if packed:
@@ -66,9 +68,18 @@ def test_causal_by_global_index():
     q_rows, kv_rows = perm[:12], perm[12:]  # a query piece and a key piece, non-contiguous and disjoint
 
     def attend(q, k, v):
-        return blockwise.attention(q[:, q_rows], k[:, kv_rows], v[:, kv_rows], q_segment_ids=seg[:, q_rows],
-                                   kv_segment_ids=seg[:, kv_rows], q_index=jnp.asarray(q_rows),
-                                   kv_index=jnp.asarray(kv_rows), causal=True, block_q=4, block_kv=8)
+        return blockwise.attention(
+            q[:, q_rows],
+            k[:, kv_rows],
+            v[:, kv_rows],
+            q_segment_ids=seg[:, q_rows],
+            kv_segment_ids=seg[:, kv_rows],
+            q_index=jnp.asarray(q_rows),
+            kv_index=jnp.asarray(kv_rows),
+            causal=True,
+            block_q=4,
+            block_kv=8,
+        )
 
     out, _ = jax.jit(attend)(q, k, v)
     assert relative_error(out, _reference_subset(q, k, v, seg, q_rows, kv_rows)) < 2e-5
@@ -96,6 +107,7 @@ def test_packed_row_skips_blocks():
     index = jnp.arange(length, dtype=jnp.int32)
     packed = jnp.repeat(jnp.arange(1, docs + 1, dtype=jnp.int32), length // docs)[None]
     one_doc = jnp.ones((1, length), jnp.int32)
-    count = lambda seg: int(visible_blocks(block_summary(seg, index, block), block_summary(seg, index, block),
-                                           causal=True).sum())
+    count = lambda seg: int(
+        visible_blocks(block_summary(seg, index, block), block_summary(seg, index, block), causal=True).sum()
+    )
     assert count(one_doc) / count(packed) > 16

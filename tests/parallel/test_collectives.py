@@ -15,13 +15,18 @@ BATCH, LENGTH, HEADS, KV_HEADS, DQK, DV = 2, 64, 8, 2, 24, 16
 
 
 def attention_fn(strategy, mesh):
-    return lambda q, k, v, seg: parallel.attention(q, k, v, segment_ids=seg, mesh=mesh, strategy=strategy,
-                                                   layout="dual_chunk")
+    return lambda q, k, v, seg: parallel.attention(
+        q, k, v, segment_ids=seg, mesh=mesh, strategy=strategy, layout="dual_chunk"
+    )
 
 
 def args():
-    return (jnp.zeros((BATCH, LENGTH, HEADS, DQK)), jnp.zeros((BATCH, LENGTH, KV_HEADS, DQK)),
-            jnp.zeros((BATCH, LENGTH, KV_HEADS, DV)), jnp.ones((BATCH, LENGTH), jnp.int32))
+    return (
+        jnp.zeros((BATCH, LENGTH, HEADS, DQK)),
+        jnp.zeros((BATCH, LENGTH, KV_HEADS, DQK)),
+        jnp.zeros((BATCH, LENGTH, KV_HEADS, DV)),
+        jnp.ones((BATCH, LENGTH), jnp.int32),
+    )
 
 
 def dynamic_count(jaxpr, primitive: str) -> int:

@@ -20,10 +20,19 @@ def compile_block(length: int, context: int, chunk: int = 0):
     """Compiled forward + backward of one V2-Lite MoE block on [1, length] bf16 tokens, length split over
     `context` devices -> (HLO text, temporaries in bytes per device)."""
     m = V2_LITE
-    moe = nnx.eval_shape(lambda: MoE(m.embed_dim, num_experts=m.num_experts, experts_per_token=m.experts_per_token,
-                                     moe_mlp_dim=m.moe_mlp_dim, num_shared_experts=m.num_shared_experts,
-                                     norm_topk_prob=m.norm_topk_prob, router_score=m.router_score,
-                                     dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    moe = nnx.eval_shape(
+        lambda: MoE(
+            m.embed_dim,
+            num_experts=m.num_experts,
+            experts_per_token=m.experts_per_token,
+            moe_mlp_dim=m.moe_mlp_dim,
+            num_shared_experts=m.num_shared_experts,
+            norm_topk_prob=m.norm_topk_prob,
+            router_score=m.router_score,
+            dtype=jnp.bfloat16,
+            rngs=nnx.Rngs(0),
+        )
+    )
     graphdef, state = nnx.split(moe)
     mesh = make_mesh(MeshConfig(fsdp=1, context=context), jax.devices()[:context])
 
@@ -31,7 +40,7 @@ def compile_block(length: int, context: int, chunk: int = 0):
         y, stats = nnx.merge(graphdef, state)(x)
         return jnp.sum(y.astype(jnp.float32)) + stats["dropped"]
 
-    with jax.set_mesh(mesh), plans.use(plans.AttentionPlan(expert_chunk=chunk)):
+    with jax.set_mesh(mesh), plans.use(plans.Plan(expert_chunk=chunk)):
         x = jax.ShapeDtypeStruct((1, length, m.embed_dim), jnp.bfloat16, sharding=NamedSharding(mesh, residual_spec()))
         shardings = nnx.state(state_shardings(state, mesh))
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)

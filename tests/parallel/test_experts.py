@@ -2,6 +2,8 @@
 counts and gradients (both router kinds, capacity and ragged dispatch, chunked); drops equal a NumPy reference; the
 ragged dispatch's offsets and sizes move the right rows under ragged all-to-all's documented semantics."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from layers.moe import MoE
 from parallel import plans
-from parallel.context import expert_dispatch
+from parallel.configure import expert_dispatch
 from parallel.experts import capacity, expert_axes, ragged_layout
 from parallel.mesh import MeshError, make_mesh, state_shardings
 from parallel.tensor import residual_spec
@@ -20,13 +22,24 @@ from train.config import MeshConfig, ParallelConfig
 EMBED, MLP, EXPERTS, K = 16, 8, 8, 2
 BATCH, LENGTH = 8, 16
 DROPLESS = EXPERTS / K  # capacity factor whose buffers hold every assignment of a device
+DROPLESS_PLAN = plans.Plan(expert_capacity=DROPLESS)
 
 
-def make_moe(score: str, factor: float = DROPLESS) -> MoE:
+def make_moe(score: str) -> MoE:
     sigmoid = score == "sigmoid"
-    moe = MoE(EMBED, num_experts=EXPERTS, experts_per_token=K, moe_mlp_dim=MLP, num_shared_experts=1,
-              n_group=4 if sigmoid else 1, topk_group=2 if sigmoid else 1, norm_topk_prob=sigmoid,
-              routed_scaling_factor=2.5, router_score=score, capacity_factor=factor, rngs=nnx.Rngs(0))
+    moe = MoE(
+        EMBED,
+        num_experts=EXPERTS,
+        experts_per_token=K,
+        moe_mlp_dim=MLP,
+        num_shared_experts=1,
+        n_group=4 if sigmoid else 1,
+        topk_group=2 if sigmoid else 1,
+        norm_topk_prob=sigmoid,
+        routed_scaling_factor=2.5,
+        router_score=score,
+        rngs=nnx.Rngs(0),
+    )
     if sigmoid:
         moe.bias[...] = 0.1 * jax.random.normal(jax.random.key(2), (EXPERTS,))
     return moe
@@ -36,8 +49,13 @@ def tokens() -> jax.Array:
     return jax.random.normal(jax.random.key(1), (BATCH, LENGTH, EMBED))
 
 
-def run(moe: MoE, x, mesh_config: MeshConfig | None = None, plan: plans.AttentionPlan = plans.AttentionPlan(),
-        x_spec: PartitionSpec | None = None):
+def run(
+    moe: MoE,
+    x,
+    mesh_config: MeshConfig | None = None,
+    plan: plans.Plan = plans.Plan(expert_capacity=DROPLESS),
+    x_spec: PartitionSpec | None = None,
+):
     """(y, counts, dropped, d loss / d x, d loss / d params) of the MoE on `mesh_config` (None: one device), x
     placed as the residual stream (or by `x_spec`)."""
     graphdef, state = nnx.split(moe)
@@ -54,11 +72,15 @@ def run(moe: MoE, x, mesh_config: MeshConfig | None = None, plan: plans.Attentio
         else:
             mesh = make_mesh(mesh_config)
             with jax.set_mesh(mesh):
-                shardings = (nnx.state(state_shardings(state, mesh)),
-                             NamedSharding(mesh, residual_spec() if x_spec is None else x_spec))
+                shardings = (
+                    nnx.state(state_shardings(state, mesh)),
+                    NamedSharding(mesh, residual_spec() if x_spec is None else x_spec),
+                )
                 (grad_state, grad_x), (y, stats) = jax.jit(step, in_shardings=shardings)(state, x)
-    grads = {jax.tree_util.keystr(path): np.asarray(g) for path, g in
-             jax.tree_util.tree_leaves_with_path(nnx.state(grad_state, nnx.Param))}
+    grads = {
+        jax.tree_util.keystr(path): np.asarray(g)
+        for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grad_state, nnx.Param))
+    }
     return np.asarray(y), np.asarray(stats["counts"]), float(stats["dropped"]), np.asarray(grad_x), grads
 
 
@@ -81,14 +103,17 @@ def one_device():
 
 
 MESHES = {
-    "context8": (MeshConfig(fsdp=1, context=8), plans.AttentionPlan()),
-    "expert2-context4": (MeshConfig(fsdp=1, expert=2, context=4), plans.AttentionPlan()),
-    "context2-tensor4": (MeshConfig(fsdp=1, context=2, tensor=4), plans.AttentionPlan(scatter=True)),
-    "fsdp2-expert2-tensor2": (MeshConfig(fsdp=2, expert=2, tensor=2), plans.AttentionPlan()),
-    "data2-context2-ulysses2": (MeshConfig(data=2, fsdp=1, context=2, ulysses=2), plans.AttentionPlan()),
-    "tensor4-fsdp2-replicated": (MeshConfig(fsdp=2, tensor=4), plans.AttentionPlan(scatter=False)),
-    "expert2-context4-chunked": (MeshConfig(fsdp=1, expert=2, context=4), plans.AttentionPlan(expert_chunk=3)),
-    "fsdp8-no-expert-axis": (MeshConfig(fsdp=8), plans.AttentionPlan()),
+    "context8": (MeshConfig(fsdp=1, context=8), DROPLESS_PLAN),
+    "expert2-context4": (MeshConfig(fsdp=1, expert=2, context=4), DROPLESS_PLAN),
+    "context2-tensor4": (MeshConfig(fsdp=1, context=2, tensor=4), DROPLESS_PLAN),
+    "fsdp2-expert2-tensor2": (MeshConfig(fsdp=2, expert=2, tensor=2), DROPLESS_PLAN),
+    "data2-context2-ulysses2": (MeshConfig(data=2, fsdp=1, context=2, ulysses=2), DROPLESS_PLAN),
+    "tensor4-fsdp2-replicated": (MeshConfig(fsdp=2, tensor=4), dataclasses.replace(DROPLESS_PLAN, scatter=False)),
+    "expert2-context4-chunked": (
+        MeshConfig(fsdp=1, expert=2, context=4),
+        dataclasses.replace(DROPLESS_PLAN, expert_chunk=3),
+    ),
+    "fsdp8-no-expert-axis": (MeshConfig(fsdp=8), DROPLESS_PLAN),
 }
 
 
@@ -123,8 +148,9 @@ def test_expert_axes_are_those_that_divide_the_experts():
 def numpy_capacity_reference(moe: MoE, x: np.ndarray, devices: int, factor: float):
     """The MoE's routed output with, per source device (its piece of the length axis, context only) and expert,
     the first C assignments in (token, k) order kept: (routed y without the shared expert, dropped count)."""
-    p = {name: np.asarray(getattr(moe, name)[...], np.float64) for name in ("experts_gate", "experts_up",
-                                                                           "experts_down")}
+    p = {
+        name: np.asarray(getattr(moe, name)[...], np.float64) for name in ("experts_gate", "experts_up", "experts_down")
+    }
     y, dropped = np.zeros(x.shape), 0
     for device in range(devices):
         piece = slice(device * LENGTH // devices, (device + 1) * LENGTH // devices)
@@ -141,25 +167,27 @@ def numpy_capacity_reference(moe: MoE, x: np.ndarray, devices: int, factor: floa
                     dropped += 1
                     continue
                 pre = local[n] @ p["experts_gate"][e]
-                out[n] += weights[n, j] * ((pre / (1 + np.exp(-pre)) * (local[n] @ p["experts_up"][e]))
-                                          @ p["experts_down"][e])
+                out[n] += weights[n, j] * (
+                    (pre / (1 + np.exp(-pre)) * (local[n] @ p["experts_up"][e])) @ p["experts_down"][e]
+                )
         y[:, piece] = out.reshape(BATCH, -1, EMBED)
     return y, dropped
 
 
 def test_capacity_drops_equal_numpy_reference():
-    moe = make_moe("sigmoid", factor=0.5)
+    moe = make_moe("sigmoid")
     moe.shared = None
     x = tokens()
-    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, context=8))
+    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, context=8), plans.Plan(expert_capacity=0.5))
     expected, expected_dropped = numpy_capacity_reference(moe, np.asarray(x, np.float64), 8, 0.5)
     assert expected_dropped > 0 and dropped == expected_dropped
     assert counts.sum() == BATCH * LENGTH * K
     assert_close(y, expected)
 
 
-def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *,
-                               axis_name, axis_index_groups=None):
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name, axis_index_groups=None
+):
     """jax.lax.ragged_all_to_all by its documented semantics, from all-gathers (XLA:CPU cannot compile the real
     one): slice i of every sender goes to device i // slices_per_device at that sender's output_offsets[i]."""
     devices = jax.lax.axis_size(axis_name)
@@ -183,7 +211,7 @@ def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, outpu
 def test_ragged_dispatch_equals_one_device(monkeypatch, one_device, name):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     mesh_config, plan = MESHES[name]
-    plan = plans.AttentionPlan(scatter=plan.scatter, expert_chunk=plan.expert_chunk, expert_dispatch="ragged")
+    plan = dataclasses.replace(plan, expert_dispatch="ragged")
     # factor = devices: a receive buffer of every device's assignments; EXPERTS / K >= 4 expert-parallel devices
     y, counts, dropped, grad_x, grads = run(make_moe("sigmoid"), tokens(), mesh_config, plan)
     ref_y, ref_counts, _, ref_grad_x, ref_grads = one_device("sigmoid")
@@ -199,13 +227,13 @@ def simulate_ragged_all_to_all(operands, input_offsets, send_sizes, output_offse
     """NumPy: ragged all-to-all as documented, over lists indexed by device; checks the send/recv size contract."""
     devices = len(operands)
     per_device = len(input_offsets[0]) // devices
-    results = [np.full((output_rows,) + operands[0].shape[1:], -1, operands[0].dtype) for _ in range(devices)]
+    results = [np.full((output_rows, *operands[0].shape[1:]), -1, operands[0].dtype) for _ in range(devices)]
     for sender in range(devices):
         for i in range(len(input_offsets[sender])):
             receiver, size = i // per_device, send_sizes[sender][i]
             assert recv_sizes[receiver][sender * per_device + i % per_device] == size
-            chunk = operands[sender][input_offsets[sender][i]:input_offsets[sender][i] + size]
-            results[receiver][output_offsets[sender][i]:output_offsets[sender][i] + size] = chunk
+            chunk = operands[sender][input_offsets[sender][i] : input_offsets[sender][i] + size]
+            results[receiver][output_offsets[sender][i] : output_offsets[sender][i] + size] = chunk
     return results
 
 
@@ -214,14 +242,24 @@ def test_ragged_layout_moves_the_right_rows(rows):
     devices, num_experts = 4, 8
     local = num_experts // devices
     table = np.random.default_rng(rows).integers(0, 9, (devices, num_experts))
-    layouts = [jax.tree.map(np.asarray, jax.jit(ragged_layout, static_argnums=2)(jnp.asarray(table), me, rows))
-               for me in range(devices)]
+    layouts = [
+        jax.tree.map(np.asarray, jax.jit(ragged_layout, static_argnums=2)(jnp.asarray(table), me, rows))
+        for me in range(devices)
+    ]
     # each device's rows sorted by expert, labelled (source, expert, index within the expert)
-    sent = [np.array([(s, e, i) for e in range(num_experts) for i in range(table[s, e])]).reshape(-1, 3)
-            for s in range(devices)]
-    received = simulate_ragged_all_to_all(sent, [l.send_offsets for l in layouts], [l.send_sizes for l in layouts],
-                                          [l.remote_offsets for l in layouts], [l.recv_sizes for l in layouts], rows)
-    for me, (layout, buffer) in enumerate(zip(layouts, received)):
+    sent = [
+        np.array([(s, e, i) for e in range(num_experts) for i in range(table[s, e])]).reshape(-1, 3)
+        for s in range(devices)
+    ]
+    received = simulate_ragged_all_to_all(
+        sent,
+        [lay.send_offsets for lay in layouts],
+        [lay.send_sizes for lay in layouts],
+        [lay.remote_offsets for lay in layouts],
+        [lay.recv_sizes for lay in layouts],
+        rows,
+    )
+    for me, (layout, buffer) in enumerate(zip(layouts, received, strict=True)):
         used = int(layout.group_sizes.sum())
         assert used <= rows and np.all(buffer[used:] == -1)
         experts = me * local + np.repeat(np.arange(local), layout.group_sizes)
@@ -229,14 +267,20 @@ def test_ragged_layout_moves_the_right_rows(rows):
         for e in range(me * local, (me + 1) * local):  # (source, index) order within an expert: a prefix kept
             got = buffer[:used][buffer[:used, 1] == e][:, [0, 2]]
             full = np.array([(s, i) for s in range(devices) for i in range(table[s, e])]).reshape(-1, 2)
-            np.testing.assert_array_equal(got, full[:len(got)])
-        assert used == min(rows, table[:, me * local:(me + 1) * local].sum())
-    homes = simulate_ragged_all_to_all(received, [l.recv_offsets for l in layouts], [l.recv_sizes for l in layouts],
-                                       [l.home_offsets for l in layouts], [l.send_sizes for l in layouts],
-                                       max(len(s) for s in sent))
+            np.testing.assert_array_equal(got, full[: len(got)])
+        assert used == min(rows, table[:, me * local : (me + 1) * local].sum())
+    homes = simulate_ragged_all_to_all(
+        received,
+        [lay.recv_offsets for lay in layouts],
+        [lay.recv_sizes for lay in layouts],
+        [lay.home_offsets for lay in layouts],
+        [lay.send_sizes for lay in layouts],
+        max(len(s) for s in sent),
+    )
     for source, layout in enumerate(layouts):  # the return trip puts every kept row back where it was sent from
-        kept = np.concatenate([np.arange(start, start + size)
-                               for start, size in zip(layout.send_offsets, layout.send_sizes)]).astype(int)
+        kept = np.concatenate(
+            [np.arange(start, start + size) for start, size in zip(layout.send_offsets, layout.send_sizes, strict=True)]
+        ).astype(int)
         np.testing.assert_array_equal(homes[source][kept], sent[source][kept])
         assert np.all(homes[source][np.setdiff1d(np.arange(len(sent[source])), kept)] == -1)
 
@@ -251,9 +295,10 @@ def test_ragged_dispatch_is_refused_on_cpu_before_compiling():
 
 def test_a_shape_that_does_not_split_runs_dropless_on_every_token():
     """E.g. sampling: 3 rows of 7 tokens on expert=2 x context=4; the partitioner places a dropless MoE."""
-    moe = make_moe("sigmoid", factor=0.1)  # a capacity this small would drop
+    moe = make_moe("sigmoid")
     x = tokens()[:3, :7]
-    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, expert=2, context=4), x_spec=PartitionSpec())
+    small = plans.Plan(expert_capacity=0.1)  # a capacity this small would drop
+    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, expert=2, context=4), small, x_spec=PartitionSpec())
     ref_y, ref_counts, _, _, _ = run(moe, x)
     assert_close(y, ref_y)
     np.testing.assert_array_equal(counts, ref_counts)

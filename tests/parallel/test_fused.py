@@ -17,8 +17,11 @@ from tests.parallel.attention_reference import relative_error
 
 def qkv(dtype=jnp.bfloat16, dv=16):
     rng = np.random.default_rng(0)
-    return (jnp.asarray(rng.normal(size=(2, 32, 4, 16)), dtype), jnp.asarray(rng.normal(size=(2, 32, 2, 16)), dtype),
-            jnp.asarray(rng.normal(size=(2, 32, 2, dv)), dtype))
+    return (
+        jnp.asarray(rng.normal(size=(2, 32, 4, 16)), dtype),
+        jnp.asarray(rng.normal(size=(2, 32, 2, 16)), dtype),
+        jnp.asarray(rng.normal(size=(2, 32, 2, dv)), dtype),
+    )
 
 
 def test_usable_only_where_semantics_match(monkeypatch):

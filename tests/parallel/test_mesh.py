@@ -14,13 +14,20 @@ from train.step import make_train_step
 
 def test_fill_axis_takes_the_remaining_devices():
     assert mesh_shape({"data": 2, "fsdp": -1, "context": 1, "tensor": 2}, 8) == {
-        "data": 2, "fsdp": 2, "context": 1, "tensor": 2}
+        "data": 2,
+        "fsdp": 2,
+        "context": 1,
+        "tensor": 2,
+    }
 
 
-@pytest.mark.parametrize("sizes, words", [
-    ({"data": 3, "fsdp": -1, "context": 1, "tensor": 1}, ["8 devices", "3"]),
-    ({"data": 2, "fsdp": 2, "context": 1, "tensor": 1}, ["uses 4 devices", "8 are available"]),
-])
+@pytest.mark.parametrize(
+    "sizes, words",
+    [
+        ({"data": 3, "fsdp": -1, "context": 1, "tensor": 1}, ["8 devices", "3"]),
+        ({"data": 2, "fsdp": 2, "context": 1, "tensor": 1}, ["uses 4 devices", "8 are available"]),
+    ],
+)
 def test_sizes_that_do_not_fit_the_devices(sizes, words):
     with pytest.raises(MeshError) as info:
         mesh_shape(sizes, 8)
@@ -46,8 +53,9 @@ def test_length_shards_over_context_then_ulysses():
 def test_experts_shard_over_expert_which_also_splits_the_batch():
     mesh = make_mesh(MeshConfig(data=1, fsdp=2, expert=2, tensor=2))
     # experts over expert, then over the sequence axes that still divide them (expert parallelism)
-    assert logical_spec(("experts", "embed", "mlp"), mesh, (8, 16, 16)) == PartitionSpec(("expert", "tensor"), "fsdp",
-                                                                                       None)
+    assert logical_spec(("experts", "embed", "mlp"), mesh, (8, 16, 16)) == PartitionSpec(
+        ("expert", "tensor"), "fsdp", None
+    )
     assert logical_spec(("experts", "embed", "mlp"), mesh, (2, 16, 16)) == PartitionSpec("expert", "fsdp", "tensor")
     assert logical_spec(("batch", "length"), mesh) == PartitionSpec(("fsdp", "expert"), None)
     with pytest.raises(MeshError, match="data x fsdp x expert = 4"):
@@ -57,20 +65,22 @@ def test_experts_shard_over_expert_which_also_splits_the_batch():
 def test_batch_must_split_over_data_and_fsdp():
     mesh = make_mesh(MeshConfig(data=2, fsdp=4))
     check_batch(16, 2, mesh)
-    with pytest.raises(MeshError, match="train.batch_size=12 / train.grad_accum_steps=1 must be divisible by .* 8"):
+    with pytest.raises(MeshError, match=r"train\.batch_size=12 / train\.grad_accum_steps=1 must be divisible by .* 8"):
         check_batch(12, 1, mesh)
 
 
 def one_step(mesh_config, devices):
-    model = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-                        mlp_dim=64, dtype="float32", remat_policy="full")
+    model = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
     mesh = make_mesh(mesh_config, devices)
     state = create_state(model, make_optimizer(OptimizerConfig(warmup_steps=0), 10), mesh, seed=0)
     step = make_train_step(state, mesh, chunk_size=8, accum_steps=2)
     rng = np.random.default_rng(0)
     batch = {key: rng.integers(0, 64, (16, 16)).astype(np.int32) for key in ("tokens", "targets")}
-    batch.update(segment_ids=np.ones((16, 16), np.int32), positions=np.tile(np.arange(16, dtype=np.int32), (16, 1)),
-                 loss_mask=np.ones((16, 16), np.float32))  # micro-batches of 8 rows: one per data x fsdp shard
+    batch.update(
+        segment_ids=np.ones((16, 16), np.int32),
+        positions=np.tile(np.arange(16, dtype=np.int32), (16, 1)),
+        loss_mask=np.ones((16, 16), np.float32),
+    )  # micro-batches of 8 rows: one per data x fsdp shard
     batch = jax.device_put(batch, batch_sharding(mesh))
     with jax.set_mesh(mesh):
         new_state, metrics = step(state.state, batch)
@@ -83,7 +93,8 @@ def reference():
     return one_step(MeshConfig(fsdp=1), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh_config", [MeshConfig(fsdp=8), MeshConfig(data=2, fsdp=4)],
-                         ids=["fsdp8", "data2-fsdp4"])  # tensor meshes: tests/train/test_tensor_parallel.py
+@pytest.mark.parametrize(
+    "mesh_config", [MeshConfig(fsdp=8), MeshConfig(data=2, fsdp=4)], ids=["fsdp8", "data2-fsdp4"]
+)  # tensor meshes: tests/train/test_tensor_parallel.py
 def test_sharded_steps_equal_one_device(mesh_config, reference):
     np.testing.assert_allclose(one_step(mesh_config, jax.devices()), reference, rtol=1e-5)

@@ -13,10 +13,10 @@ LAYOUTS = [("dual_chunk", 1), ("striped", 1), ("striped", 2)]
 LENGTH = 48  # divisible by 2*cp and cp*stripe for every cp below
 
 
-def reference_perm(length, cp, strategy, stripe):
+def reference_perm(length, cp, layout, stripe):
     """Original token index of each balanced position, by loops over ranks from the layout definitions."""
     perm = []
-    if strategy == "dual_chunk":
+    if layout == "dual_chunk":
         chunk = length // (2 * cp)
         for rank in range(cp):
             for c in (rank, 2 * cp - 1 - rank):
@@ -39,14 +39,14 @@ def op_names(hlo: str) -> set[str]:
 
 
 @pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
-@pytest.mark.parametrize("strategy,stripe", LAYOUTS)
+@pytest.mark.parametrize("layout,stripe", LAYOUTS)
 @pytest.mark.parametrize("axis,dtype", [(0, jnp.float32), (1, jnp.bfloat16), (2, jnp.int32), (-1, jnp.float32)])
-def test_matches_gather_and_round_trips(cp, strategy, stripe, axis, dtype):
+def test_matches_gather_and_round_trips(cp, layout, stripe, axis, dtype):
     shape = [3, 5, 2]
     shape[axis] = LENGTH
     x = sample(shape, dtype)
-    perm = reference_perm(LENGTH, cp, strategy, stripe)
-    kwargs = dict(axis=axis, strategy=strategy, stripe=stripe)
+    perm = reference_perm(LENGTH, cp, layout, stripe)
+    kwargs = dict(axis=axis, layout=layout, stripe=stripe)
     balanced = to_balanced(x, cp, **kwargs)
     assert balanced.dtype == x.dtype and balanced.shape == x.shape
     np.testing.assert_array_equal(balanced, jnp.take(x, perm, axis=axis))
@@ -57,13 +57,13 @@ def test_matches_gather_and_round_trips(cp, strategy, stripe, axis, dtype):
     assert isinstance(host_balanced, np.ndarray)
     np.testing.assert_array_equal(host_balanced, balanced)
     np.testing.assert_array_equal(from_balanced(host, cp, **kwargs), from_balanced(x, cp, **kwargs))
-    np.testing.assert_array_equal(layout_index(LENGTH, cp, strategy, stripe), perm)
+    np.testing.assert_array_equal(layout_index(LENGTH, cp, layout, stripe), perm)
 
 
 def test_contiguous_is_identity():
     x = np.arange(24).reshape(2, 12)
-    assert to_balanced(x, 4, strategy="contiguous") is x
-    assert from_balanced(x, 4, strategy="contiguous") is x
+    assert to_balanced(x, 4, layout="contiguous") is x
+    assert from_balanced(x, 4, layout="contiguous") is x
 
 
 def test_dual_chunk_layout_index():
@@ -73,22 +73,25 @@ def test_dual_chunk_layout_index():
 
 
 @pytest.mark.parametrize("fn", [to_balanced, from_balanced])
-@pytest.mark.parametrize("strategy,stripe", [("dual_chunk", 1), ("striped", 2)])
-def test_compiled_hlo_has_no_gather_or_loop(fn, strategy, stripe):
+@pytest.mark.parametrize("layout,stripe", [("dual_chunk", 1), ("striped", 2)])
+def test_compiled_hlo_has_no_gather_or_loop(fn, layout, stripe):
     x = jnp.zeros((2, 64, 4, 8), jnp.bfloat16)
-    hlo = jax.jit(lambda x: fn(x, 8, strategy=strategy, stripe=stripe)).lower(x).compile().as_text()
+    hlo = jax.jit(lambda x: fn(x, 8, layout=layout, stripe=stripe)).lower(x).compile().as_text()
     ops = op_names(hlo)
     assert ops and not ops & {"gather", "while"}, sorted(ops)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(cp=4, strategy="dual_chunk"), "sequence length 100 is not divisible by 2*cp=8 for dual_chunk layout"),
-    (dict(cp=3, strategy="striped", stripe=2), "sequence length 100 is not divisible by cp*stripe=6"),
-    (dict(cp=2, strategy="zigzag"), "'zigzag' is unknown; available: contiguous, dual_chunk, striped"),
-    (dict(cp=0), "cp=0 must be >= 1"),
-    (dict(cp=2, strategy="striped", stripe=0), "stripe=0 must be >= 1"),
-    (dict(cp=2, axis=3), "axis 3 is out of range"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(cp=4, layout="dual_chunk"), "sequence length 100 is not divisible by 2*cp=8 for dual_chunk layout"),
+        (dict(cp=3, layout="striped", stripe=2), "sequence length 100 is not divisible by cp*stripe=6"),
+        (dict(cp=2, layout="zigzag"), "'zigzag' is unknown; available: contiguous, dual_chunk, striped"),
+        (dict(cp=0), "cp=0 must be >= 1"),
+        (dict(cp=2, layout="striped", stripe=0), "stripe=0 must be >= 1"),
+        (dict(cp=2, axis=3), "axis 3 is out of range"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     x = np.zeros((2, 100, 3))
     for fn in (to_balanced, from_balanced):

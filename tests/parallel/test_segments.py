@@ -71,7 +71,7 @@ jit_seqlens = jax.jit(seqlens_offsets, static_argnames=("max_segments", "mask"))
 def check(q_seg, kv_seg, q_pos, kv_pos, max_segments, mask):
     got = jit_seqlens(q_seg, kv_seg, q_pos, kv_pos, max_segments=max_segments, mask=mask)
     want = reference(q_seg, kv_seg, q_pos, kv_pos, max_segments, mask)
-    for name, g, w in zip(("q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets"), got, want):
+    for name, g, w in zip(("q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets"), got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
         assert g.dtype == np.int32 and g.shape == w.shape
 
@@ -121,7 +121,7 @@ def test_seqlens_offsets_ids_above_max_are_padding():
     clean = np.where(seg > 2, 0, seg)
     got = seqlens_offsets(seg, seg, pos, pos, max_segments=2)
     want = seqlens_offsets(clean, clean, pos, pos, max_segments=2)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
 
 
@@ -184,5 +184,5 @@ def test_block_summary_reductions():
 
 
 def test_block_summary_rejects_ragged_length():
-    with pytest.raises(ValueError, match="10.*4"):
+    with pytest.raises(ValueError, match=r"10.*4"):
         block_summary(np.ones((1, 10), np.int32), np.arange(10), 4)

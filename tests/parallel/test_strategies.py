@@ -41,45 +41,81 @@ def check_strategy(strategy, cp, layout="dual_chunk", stripe=1, case_list=None, 
     mesh, axis, layout_cp = mesh_for(strategy, cp)
     case_list = case_list or cases()
     data = [inputs(heads, seed) for seed, (heads, _) in enumerate(case_list)]
-    order = dict(strategy=layout, stripe=stripe, axis=1)
+    order = dict(layout=layout, stripe=stripe, axis=1)
     to_layout = lambda x: None if x is None else to_balanced(x, layout_cp, **order)
 
     def run_all(data, seg):
         results = []
-        for (heads, causal), (q, k, v, w) in zip(case_list, data):
+        for (_heads, causal), (q, k, v, w) in zip(case_list, data, strict=True):
+
             def f(q, k, v):
-                out = parallel.attention(to_layout(q), to_layout(k), to_layout(v), segment_ids=to_layout(seg),
-                                         causal=causal, mesh=mesh, strategy=strategy, axis=axis, layout=layout,
-                                         stripe=stripe)
+                out = parallel.attention(
+                    to_layout(q),
+                    to_layout(k),
+                    to_layout(v),
+                    segment_ids=to_layout(seg),
+                    causal=causal,
+                    mesh=mesh,
+                    strategy=strategy,
+                    axis=axis,
+                    layout=layout,
+                    stripe=stripe,
+                )
                 return from_balanced(out, layout_cp, **order)
+
             out, vjp = jax.vjp(f, q, k, v)
             results.append((out, vjp(w)))
         return results
 
     packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=cp))
     unpacked = None if unpacked_as_none else jnp.ones((BATCH, LENGTH), jnp.int32)
-    with jax.set_mesh(mesh), parallel.plans.use(parallel.plans.AttentionPlan(block_q=8, block_kv=8)):
+    with jax.set_mesh(mesh), parallel.plans.use(parallel.plans.Plan(block_q=8, block_kv=8)):
         run = jax.jit(run_all)
         runs = [(seg, run(data, seg)) for seg in (packed, unpacked)]
     for seg, results in runs:
-        for (heads, causal), (q, k, v, w), (out, grads) in zip(case_list, data, results):
+        for (heads, causal), (q, k, v, w), (out, grads) in zip(case_list, data, results, strict=True):
             ref = lambda q, k, v: reference(q, k, v, segment_ids=seg, causal=causal)[0]
             ref_out, ref_vjp = jax.vjp(ref, q, k, v)
             label = f"{strategy} cp={cp} {layout} {heads} causal={causal} packed={seg is packed}"
             assert relative_error(out, ref_out) < 2e-5, label
-            for name, g, r in zip("qkv", grads, ref_vjp(w)):
+            for name, g, r in zip("qkv", grads, ref_vjp(w), strict=True):
                 assert not np.isnan(np.asarray(g)).any(), f"{label}: NaN in d{name}"
                 assert relative_error(g, r) < 2e-5, f"{label}: d{name}"
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4, 8])
-@pytest.mark.parametrize("strategy", ["none", "all_gather", "ring", "ulysses", "usp"])
+# Every strategy at 8 devices (ring and usp: a scan of several ring steps; ulysses: GQA KV heads repeated), plus
+# the edges where the code branches: 1 device (none: no reorder; ring: no permute), 2 devices (ring: first and
+# last step only, no scan; ulysses: KV heads not repeated; usp: a ulysses axis of 1; all_gather: the smallest
+# split). 4 devices take no path that these do not; the other layouts run at 4: test_other_layouts.
+@pytest.mark.parametrize(
+    "strategy, cp",
+    [
+        ("none", 1),
+        ("none", 8),
+        ("all_gather", 2),
+        ("all_gather", 8),
+        ("ring", 1),
+        ("ring", 2),
+        ("ring", 8),
+        ("ulysses", 2),
+        ("ulysses", 8),
+        ("usp", 2),
+        ("usp", 8),
+    ],
+)
 def test_strategy_matches_reference(strategy, cp):
     check_strategy(strategy, cp)
 
 
-@pytest.mark.parametrize("strategy,layout,stripe", [("ring", "contiguous", 1), ("ring", "striped", 2),
-                                                    ("all_gather", "striped", 1), ("ulysses", "contiguous", 1),
-                                                    ("usp", "striped", 2)])
+@pytest.mark.parametrize(
+    "strategy,layout,stripe",
+    [
+        ("ring", "contiguous", 1),
+        ("ring", "striped", 2),
+        ("all_gather", "striped", 1),
+        ("ulysses", "contiguous", 1),
+        ("usp", "striped", 2),
+    ],
+)
 def test_other_layouts(strategy, layout, stripe):
     check_strategy(strategy, 4, layout, stripe, case_list=[("gqa", True), ("mla", False)], unpacked_as_none=True)

@@ -9,19 +9,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from parallel.context import attention_plan, check_context, to_layout
+from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import batch_sharding, make_mesh
-from train.config import MeshConfig, ModelConfig, ParallelConfig
+from train.config import ComputeConfig, MeshConfig, ModelConfig, ParallelConfig
 from train.state import TrainState, abstract_state, create_state
 from train.step import make_train_step
 
 ROWS, LENGTH = 2, 64
+COMPUTE = ComputeConfig(dtype="float32", remat_policy="none")
 
 
 def keep_grads() -> optax.GradientTransformation:
     """Leaves the parameters alone and keeps the last gradients as its state (to read them off a train step)."""
-    return optax.GradientTransformation(lambda params: jax.tree.map(jnp.zeros_like, params),
-                                        lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads))
+    return optax.GradientTransformation(
+        lambda params: jax.tree.map(jnp.zeros_like, params),
+        lambda grads, state, params=None: (jax.tree.map(jnp.zeros_like, grads), grads),
+    )
 
 
 def packed_batch(vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -32,28 +35,33 @@ def packed_batch(vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
         start, end, doc = 0, LENGTH - int(rng.integers(3, 12)), 1
         while start < end:
             n = min(int(rng.integers(5, 30)), end - start)
-            segment_ids[row, start:start + n], positions[row, start:start + n] = doc, np.arange(n)
+            segment_ids[row, start : start + n], positions[row, start : start + n] = doc, np.arange(n)
             start, doc = start + n, doc + 1
     real = segment_ids > 0
     tokens = np.where(real, rng.integers(1, vocab_size, (ROWS, LENGTH)), 0).astype(np.int32)
     same_doc = real & (np.roll(segment_ids, -1, axis=1) == segment_ids)
     targets = np.where(same_doc, np.roll(tokens, -1, axis=1), 0).astype(np.int32)
-    return dict(tokens=tokens, targets=targets, segment_ids=segment_ids, positions=positions,
-                loss_mask=same_doc.astype(np.float32))
+    return dict(
+        tokens=tokens,
+        targets=targets,
+        segment_ids=segment_ids,
+        positions=positions,
+        loss_mask=same_doc.astype(np.float32),
+    )
 
 
 def initial_state(model: ModelConfig):
     """Host copy of a fresh (model, optimizer) state, to be placed on every mesh."""
     mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
-    return jax.device_get(create_state(model, keep_grads(), mesh, seed=0).state)
+    return jax.device_get(create_state(model, keep_grads(), mesh, seed=0, compute=COMPUTE).state)
 
 
 def first_step(host_state, model: ModelConfig, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices):
     """(loss, {parameter path: gradient}) of one train step on `packed_batch()` as the loop would run it."""
     mesh = make_mesh(mesh_config, devices)
     check_context(parallel_config, mesh.shape, seq_len=LENGTH, num_heads=model.num_heads)
-    plan = attention_plan(parallel_config, mesh.shape)
-    graphdef, _, shardings = abstract_state(model, keep_grads(), mesh)
+    plan = make_plan(parallel_config, mesh.shape)
+    graphdef, _, shardings = abstract_state(model, keep_grads(), mesh, compute=COMPUTE)
     state = TrainState(graphdef, jax.device_put(host_state, shardings), shardings)
     step = make_train_step(state, mesh, chunk_size=32, accum_steps=1, plan=plan)
     batch = to_layout(packed_batch(model.vocab_size), plan, mesh.shape["context"])

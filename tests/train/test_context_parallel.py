@@ -9,24 +9,38 @@ import jax
 import numpy as np
 import pytest
 
-from parallel.context import attention_plan, check_context, to_layout
+from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import MeshError
-from parallel.plan import AttentionPlan
+from parallel.plan import Plan
 from parallel.reorder import from_balanced
+from tests.train.step_reference import assert_same_step, first_step, initial_state, packed_batch
 from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
 from train.loop import run
-from tests.train.step_reference import assert_same_step, first_step, initial_state, packed_batch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RUN = [
-    "model.embed_dim=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=16",
-    "model.mlp_dim=64", "model.remat_policy=none", "model.dtype=float32", "data.seq_len=64",
-    "data.max_documents=40", "train.batch_size=8", "train.steps=4", "train.progress_bar=false",
-    "train.log_every_steps=1", "train.eval_batches=1", "train.sample_tokens=0", "optimizer.warmup_steps=0",
-    "optimizer.learning_rate=3e-3", "checkpoint.enabled=false",
+    "model.embed_dim=32",
+    "model.num_layers=1",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=16",
+    "model.mlp_dim=64",
+    "compute.remat_policy=none",
+    "compute.dtype=float32",
+    "data.seq_len=64",
+    "data.max_documents=40",
+    "train.batch_size=8",
+    "train.steps=4",
+    "train.progress_bar=false",
+    "train.log_every_steps=1",
+    "train.eval_batches=1",
+    "train.sample_tokens=0",
+    "optimizer.warmup_steps=0",
+    "optimizer.learning_rate=3e-3",
+    "checkpoint.enabled=false",
+    "train.peak_tflops_per_device=1",  # the MFU's peak given: no CPU matmul benchmark at start
 ]
-MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64,
-                    dtype="float32", remat_policy="none")
+MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64)
 
 
 def logged(output: pathlib.Path) -> list[dict]:
@@ -35,9 +49,21 @@ def logged(output: pathlib.Path) -> list[dict]:
 
 def test_ring_run_over_8_devices_logs_the_losses_of_one_context_device(tmp_path, capfd):
     run(load_config(REPO / "configs" / "tiny.yaml", [*RUN, f"train.output_dir={tmp_path / 'one'}"]))
-    run(load_config(REPO / "configs" / "tiny.yaml", [
-        *RUN, f"train.output_dir={tmp_path / 'ring'}", "mesh.fsdp=1", "mesh.context=8",
-        "parallel.context_strategy=ring", "parallel.block_q=16", "parallel.block_kv=16", "train.sample_tokens=4"]))
+    run(
+        load_config(
+            REPO / "configs" / "tiny.yaml",
+            [
+                *RUN,
+                f"train.output_dir={tmp_path / 'ring'}",
+                "mesh.fsdp=1",
+                "mesh.context=8",
+                "parallel.context_strategy=ring",
+                "parallel.block_q=16",
+                "parallel.block_kv=16",
+                "train.sample_tokens=4",
+            ],
+        )
+    )
     one, ring = logged(tmp_path / "one"), logged(tmp_path / "ring")
     assert [r["step"] for r in ring] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["loss"] for r in ring], [r["loss"] for r in one], rtol=1e-5)
@@ -56,58 +82,90 @@ def reference(host_state):
     return first_step(host_state, MODEL, MeshConfig(fsdp=1), ParallelConfig(block_q=8, block_kv=8), jax.devices()[:1])
 
 
-@pytest.mark.parametrize("mesh_config, parallel_config", [
-    (MeshConfig(fsdp=1, context=8), ParallelConfig(context_strategy="all_gather", balance_layout="striped", stripe=2,
-                                                   block_q=8, block_kv=8)),
-    (MeshConfig(fsdp=1, context=8), ParallelConfig(context_strategy="ulysses", block_q=8, block_kv=8)),
-    (MeshConfig(fsdp=1, context=4, ulysses=2), ParallelConfig(context_strategy="usp", block_q=8, block_kv=8)),
-], ids=["all_gather8-striped", "ulysses8", "usp4x2"])
+@pytest.mark.parametrize(
+    "mesh_config, parallel_config",
+    [
+        (
+            MeshConfig(fsdp=1, context=8),
+            ParallelConfig(context_strategy="all_gather", balance_layout="striped", stripe=2, block_q=8, block_kv=8),
+        ),
+        (MeshConfig(fsdp=1, context=8), ParallelConfig(context_strategy="ulysses", block_q=8, block_kv=8)),
+        (MeshConfig(fsdp=1, context=4, ulysses=2), ParallelConfig(context_strategy="usp", block_q=8, block_kv=8)),
+    ],
+    ids=["all_gather8-striped", "ulysses8", "usp4x2"],
+)
 def test_strategy_step_equals_one_context_device(mesh_config, parallel_config, host_state, reference):
     assert_same_step(first_step(host_state, MODEL, mesh_config, parallel_config, jax.devices()), reference)
 
 
-@pytest.mark.parametrize("parallel_config, sizes, expected", [
-    (ParallelConfig(context_strategy="ring"), {"context": 4},
-     AttentionPlan(strategy="ring", axis="context", layout="dual_chunk", stripe=1)),
-    (ParallelConfig(context_strategy="usp", balance_layout="striped", stripe=4, block_q=64, block_kv=128),
-     {"context": 2, "ulysses": 4},
-     AttentionPlan(strategy="usp", axis=("context", "ulysses"), layout="striped", stripe=4, block_q=64, block_kv=128)),
-    (ParallelConfig(context_strategy="ring", load_balance=False), {"context": 4},
-     AttentionPlan(strategy="ring", layout="contiguous")),
-    (ParallelConfig(context_strategy="usp"), {"context": 1, "ulysses": 8},
-     AttentionPlan(strategy="usp", axis=("context", "ulysses"), layout="contiguous")),
-    (ParallelConfig(), {"context": 1}, AttentionPlan()),
-])
+@pytest.mark.parametrize(
+    "parallel_config, sizes, expected",
+    [
+        (
+            ParallelConfig(context_strategy="ring"),
+            {"context": 4},
+            Plan(strategy="ring", axis="context", layout="dual_chunk", stripe=1),
+        ),
+        (
+            ParallelConfig(context_strategy="usp", balance_layout="striped", stripe=4, block_q=64, block_kv=128),
+            {"context": 2, "ulysses": 4},
+            Plan(strategy="usp", axis=("context", "ulysses"), layout="striped", stripe=4, block_q=64, block_kv=128),
+        ),
+        (
+            ParallelConfig(context_strategy="ring", load_balance=False),
+            {"context": 4},
+            Plan(strategy="ring", layout="contiguous"),
+        ),
+        (
+            ParallelConfig(context_strategy="usp"),
+            {"context": 1, "ulysses": 8},
+            Plan(strategy="usp", axis=("context", "ulysses"), layout="contiguous"),
+        ),
+        (ParallelConfig(), {"context": 1}, Plan()),
+    ],
+)
 def test_plan_from_config(parallel_config, sizes, expected):
-    assert attention_plan(parallel_config, sizes) == expected
+    assert make_plan(parallel_config, sizes) == expected
 
 
 def test_host_reorder_is_undone_by_from_balanced():
     batch = packed_batch(MODEL.vocab_size)
-    plan = AttentionPlan(strategy="ring", layout="dual_chunk")
+    plan = Plan(strategy="ring", layout="dual_chunk")
     balanced = to_layout(batch, plan, 4)
     assert not np.array_equal(balanced["positions"], batch["positions"])
     for key, value in batch.items():
         assert balanced[key].dtype == value.dtype
-        np.testing.assert_array_equal(from_balanced(balanced[key], 4, axis=1, strategy="dual_chunk"), value)
-    contiguous = to_layout(batch, AttentionPlan(), 4)
+        np.testing.assert_array_equal(from_balanced(balanced[key], 4, axis=1, layout="dual_chunk"), value)
+    contiguous = to_layout(batch, Plan(), 4)
     assert all(contiguous[key] is value for key, value in batch.items())
 
 
 def test_fill_context_axis_is_checked_before_compiling(tmp_path):
     with pytest.raises(MeshError, match=r"mesh.context=8 splits the sequence but parallel.context_strategy=none"):
-        run(load_config(REPO / "configs" / "tiny.yaml",
-                        [*RUN, f"train.output_dir={tmp_path}", "mesh.fsdp=1", "mesh.context=-1"]))
+        run(
+            load_config(
+                REPO / "configs" / "tiny.yaml", [*RUN, f"train.output_dir={tmp_path}", "mesh.fsdp=1", "mesh.context=-1"]
+            )
+        )
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-@pytest.mark.parametrize("parallel_config, sizes, words", [  # more cases through the config: tests/train/test_config.py
-    (ParallelConfig(context_strategy="ring"), {"context": 2, "ulysses": 2}, ["mesh.ulysses=2", "usp", "got ring"]),
-    (ParallelConfig(context_strategy="ulysses"), {"context": 2, "tensor": 4},
-     ["model.num_heads=4", "mesh.context=2 x mesh.tensor=4"]),
-    (ParallelConfig(context_strategy="usp"), {"context": 4, "ulysses": 3},
-     ["data.seq_len=64", "mesh.context=4 x mesh.ulysses=3"]),
-])
+@pytest.mark.parametrize(
+    "parallel_config, sizes, words",
+    [  # more cases through the config: tests/train/test_config.py
+        (ParallelConfig(context_strategy="ring"), {"context": 2, "ulysses": 2}, ["mesh.ulysses=2", "usp", "got ring"]),
+        (
+            ParallelConfig(context_strategy="ulysses"),
+            {"context": 2, "tensor": 4},
+            ["model.num_heads=4", "mesh.context=2 x mesh.tensor=4"],
+        ),
+        (
+            ParallelConfig(context_strategy="usp"),
+            {"context": 4, "ulysses": 3},
+            ["data.seq_len=64", "mesh.context=4 x mesh.ulysses=3"],
+        ),
+    ],
+)
 def test_sizes_that_do_not_fit_name_key_and_value(parallel_config, sizes, words):
     with pytest.raises(MeshError) as info:
         check_context(parallel_config, sizes, seq_len=64, num_heads=4)
@@ -116,7 +174,7 @@ def test_sizes_that_do_not_fit_name_key_and_value(parallel_config, sizes, words)
 
 
 def test_fitting_sizes_pass():
-    check_context(ParallelConfig(context_strategy="ring", load_balance=False), {"context": 64}, seq_len=64,
-                  num_heads=4)
-    check_context(ParallelConfig(context_strategy="usp"), {"context": 2, "ulysses": 4, "tensor": 1}, seq_len=64,
-                  num_heads=4)
+    check_context(ParallelConfig(context_strategy="ring", load_balance=False), {"context": 64}, seq_len=64, num_heads=4)
+    check_context(
+        ParallelConfig(context_strategy="usp"), {"context": 2, "ulysses": 4, "tensor": 1}, seq_len=64, num_heads=4
+    )

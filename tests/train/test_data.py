@@ -57,8 +57,9 @@ def rows(batches):
 def segments(row):
     """(tokens, targets, positions) of each segment of a row, in order."""
     ids = row["segment_ids"]
-    return [(row["tokens"][ids == s], row["targets"][ids == s], row["positions"][ids == s])
-            for s in np.unique(ids[ids > 0])]
+    return [
+        (row["tokens"][ids == s], row["targets"][ids == s], row["positions"][ids == s]) for s in np.unique(ids[ids > 0])
+    ]
 
 
 # ---------------------------------------------------------------- sources
@@ -72,8 +73,7 @@ def test_text_file_is_one_document(tmp_path):
 
 
 def test_folder_with_pattern_is_recursive_sorted_and_skips_hidden(tmp_path):
-    for name, text in [("b.txt", "B"), ("sub/a.txt", "A"), ("c.md", "C"), (".hidden.txt", "H"),
-                       (".git/x.txt", "G")]:
+    for name, text in [("b.txt", "B"), ("sub/a.txt", "A"), ("c.md", "C"), (".hidden.txt", "H"), (".git/x.txt", "G")]:
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     source = open_source(config(tmp_path, file_pattern="*.txt"))
@@ -83,8 +83,7 @@ def test_folder_with_pattern_is_recursive_sorted_and_skips_hidden(tmp_path):
 
 def test_jsonl(tmp_path):
     path = tmp_path / "docs.jsonl"
-    lines = [json.dumps({"text": "first", "id": 1}), "", json.dumps({"text": "ünï ✓"}),
-             json.dumps({"text": "last"})]
+    lines = [json.dumps({"text": "first", "id": 1}), "", json.dumps({"text": "ünï ✓"}), json.dumps({"text": "last"})]
     path.write_text("\n".join(lines))  # an empty line, no trailing newline
     source = open_source(config(path))
     assert [source[i] for i in range(len(source))] == ["first", "ünï ✓", "last"]
@@ -165,8 +164,13 @@ def test_eval_split_reads_only_held_out_documents_in_order(corpus):
 
 def check_row_invariants(row):
     ids, pos, mask = row["segment_ids"], row["positions"], row["loss_mask"]
-    dtypes = {"tokens": np.int32, "targets": np.int32, "segment_ids": np.int32, "positions": np.int32,
-              "loss_mask": np.float32}
+    dtypes = {
+        "tokens": np.int32,
+        "targets": np.int32,
+        "segment_ids": np.int32,
+        "positions": np.int32,
+        "loss_mask": np.float32,
+    }
     assert {k: (v.dtype, v.shape) for k, v in row.items()} == {k: (d, (SEQ_LEN,)) for k, d in dtypes.items()}
     for _, _, positions in segments(row):
         assert np.array_equal(positions, np.arange(len(positions)))
@@ -180,8 +184,9 @@ def is_piece(tokens, targets, docs, stride):
     """Whether (tokens, targets) is docs[d][o:o+n] for some document d and offset o (a multiple of stride)."""
     n = len(tokens)
     return any(
-        np.array_equal(inputs[o:o + n], tokens) and np.array_equal(outputs[o:o + n], targets)
-        for inputs, outputs in docs for o in range(0, len(inputs) - n + 1, stride)
+        np.array_equal(inputs[o : o + n], tokens) and np.array_equal(outputs[o : o + n], targets)
+        for inputs, outputs in docs
+        for o in range(0, len(inputs) - n + 1, stride)
     )
 
 
@@ -206,7 +211,7 @@ def test_first_fit_packing_places_every_piece_once(corpus):
         for tokens, targets, _ in segments(row):
             assert is_piece(tokens, targets, docs, SEQ_LEN)
             found.append(tuple(tokens))
-    expected = [tuple(inputs[o:o + SEQ_LEN]) for inputs, _ in docs for o in range(0, len(inputs), SEQ_LEN)]
+    expected = [tuple(inputs[o : o + SEQ_LEN]) for inputs, _ in docs for o in range(0, len(inputs), SEQ_LEN)]
     assert sorted(found) == sorted(expected)
     assert any(row["segment_ids"].max() > 1 for row in all_rows)  # short pieces share rows
 
@@ -214,8 +219,10 @@ def test_first_fit_packing_places_every_piece_once(corpus):
 @pytest.mark.parametrize("packing", ["concat", "first_fit"])
 def test_packer_keeps_inputs_and_targets_in_lockstep(packing):
     lengths = [3, 16, 40, 1, 7, 9, 22, 5]
-    examples = [{"inputs": ids, "targets": ids + 1}
-                for ids in (np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lengths))]
+    examples = [
+        {"inputs": ids, "targets": ids + 1}
+        for ids in (np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lengths))
+    ]
     source = grain.MapDataset.source(examples).to_iter_dataset()
     out = list(pack(source, seq_len=SEQ_LEN, packing=packing, num_bins=4))
     assert out
@@ -227,9 +234,9 @@ def test_packer_keeps_inputs_and_targets_in_lockstep(packing):
 
 
 def test_bad_packing_and_split_are_named(corpus):
-    with pytest.raises(ValueError, match="'zigzag'.*concat, first_fit"):
+    with pytest.raises(ValueError, match=r"'zigzag'.*concat, first_fit"):
         build_dataset(config(corpus, packing="zigzag"), TOK, batch_size=1)
-    with pytest.raises(ValueError, match="'test'.*train, eval"):
+    with pytest.raises(ValueError, match=r"'test'.*train, eval"):
         build_dataset(config(corpus), TOK, batch_size=1, split="test")
     with pytest.raises(ValueError, match="split='eval' has no documents"):
         build_dataset(config(corpus), TOK, batch_size=1, split="eval")
@@ -238,8 +245,7 @@ def test_bad_packing_and_split_are_named(corpus):
 def test_shards_take_alternate_documents(corpus):
     docs = documents(DOCS)
     for shard in range(2):
-        dataset = build_dataset(config(corpus), TOK, batch_size=1, shard_index=shard, shard_count=2,
-                                num_epochs=1)
+        dataset = build_dataset(config(corpus), TOK, batch_size=1, shard_index=shard, shard_count=2, num_epochs=1)
         stream = np.concatenate([row["tokens"][row["segment_ids"] > 0] for row in rows(list(dataset))])
         assert np.array_equal(stream, np.concatenate([inputs for inputs, _ in docs[shard::2]]))
 
@@ -252,8 +258,8 @@ def test_same_seed_same_batches_different_seed_different_order(corpus):
         return take(build_dataset(config(corpus, shuffle=True, seed=seed), TOK, batch_size=2), 6)
 
     a, b, c = first(0), first(0), first(1)
-    assert all(np.array_equal(x[k], y[k]) for x, y in zip(a, b) for k in x)
-    assert not all(np.array_equal(x["tokens"], z["tokens"]) for x, z in zip(a, c))
+    assert all(np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)
+    assert not all(np.array_equal(x["tokens"], z["tokens"]) for x, z in zip(a, c, strict=True))
 
 
 def test_epochs_are_reshuffled(corpus):
@@ -262,7 +268,7 @@ def test_epochs_are_reshuffled(corpus):
     stream = np.concatenate([row["tokens"][row["segment_ids"] > 0] for row in rows(batches)])
     starts = np.flatnonzero(stream == TOK.bos_id)
     order = [TOK.decode(doc) for doc in np.split(stream, starts[1:])]
-    first, second = order[: len(DOCS)], order[len(DOCS):]
+    first, second = order[: len(DOCS)], order[len(DOCS) :]
     assert sorted(first) == sorted(second) == sorted(DOCS)
     assert first != second
 
@@ -280,7 +286,7 @@ def test_exact_resume_from_json_state(corpus, packing, k):
     resumed = iter(build_dataset(cfg, TOK, batch_size=2))
     resumed.set_state(json.loads(saved))
     got = [next(resumed) for _ in range(7)]
-    for x, y in zip(expected, got):
+    for x, y in zip(expected, got, strict=True):
         assert x.keys() == y.keys()
         for key in x:
             assert x[key].dtype == y[key].dtype and np.array_equal(x[key], y[key])

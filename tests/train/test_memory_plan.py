@@ -12,22 +12,32 @@ from flax import nnx
 
 import train.__main__ as cli
 import train.memory
-from models.remat import NAMES, RematError, check_policy, remat
-from parallel.context import attention_plan
+from models.remat import POLICIES, RematError, check_policy, remat
+from parallel.configure import make_plan
 from parallel.mesh import batch_sharding, make_mesh
 from train.__main__ import DOES_NOT_FIT, main
 from train.config import ConfigError, load_config
-from train.data import build_dataset
-from train.memory import BATCH_DTYPES, MemoryPlan, format_plan, parse_size
+from train.data import BATCH_FIELDS, build_dataset
+from train.memory import MemoryPlan, format_plan, parse_size
 from train.optimizer import make_optimizer
 from train.state import create_state
 from train.step import make_train_step
 from train.tokenizer import make_tokenizer
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
-SMALL = ["model.embed_dim=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1",
-         "model.head_dim=32", "model.mlp_dim=128", "model.dtype=float32", "data.seq_len=64",
-         "data.max_documents=20", "train.batch_size=4", "mesh.fsdp=2"]  # 2 devices: the product of the mesh
+SMALL = [
+    "model.embed_dim=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=32",
+    "model.mlp_dim=128",
+    "compute.dtype=float32",
+    "data.seq_len=64",
+    "data.max_documents=20",
+    "train.batch_size=4",
+    "mesh.fsdp=2",
+]  # 2 devices: the product of the mesh
 
 
 @pytest.fixture(autouse=True)
@@ -55,15 +65,22 @@ def plan_from_cli(argv):
 def real_step(config):
     """(state, memory_analysis()) of the train step as train.loop builds it, compiled on real arrays."""
     mesh = make_mesh(config.mesh, jax.devices()[:2])
-    state = create_state(config.model, make_optimizer(config.optimizer, config.train.steps), mesh, seed=0)
-    rows = next(iter(build_dataset(config.data, make_tokenizer(config.data.tokenizer),
-                                   batch_size=config.train.batch_size)))
-    assert {key: value.dtype for key, value in rows.items()} == {key: np.dtype(d) for key, d in BATCH_DTYPES.items()}
+    state = create_state(
+        config.model, make_optimizer(config.optimizer, config.train.steps), mesh, seed=0, compute=config.compute
+    )
+    rows = next(
+        iter(build_dataset(config.data, make_tokenizer(config.data.tokenizer), batch_size=config.train.batch_size))
+    )
+    assert {key: value.dtype for key, value in rows.items()} == {key: np.dtype(d) for key, d in BATCH_FIELDS.items()}
     batch = {key: jax.device_put(value, batch_sharding(mesh)) for key, value in rows.items()}
     with jax.set_mesh(mesh):
-        step = make_train_step(state, mesh, chunk_size=config.model.loss_chunk_size,
-                               accum_steps=config.train.grad_accum_steps,
-                               plan=attention_plan(config.parallel, mesh.shape))
+        step = make_train_step(
+            state,
+            mesh,
+            chunk_size=config.compute.loss_chunk_size,
+            accum_steps=config.train.grad_accum_steps,
+            plan=make_plan(config.parallel, mesh.shape),
+        )
         return state.state, step.lower(state.state, batch).compile().memory_analysis()
 
 
@@ -78,33 +95,60 @@ def test_plan_matches_the_real_step_compiled_on_real_arrays():
     assert "CPU compiler's buffer assignment" in printed and "gradients" in printed
     state, stats = real_step(load_config(TINY, SMALL))
     assert (plan.arguments, plan.outputs, plan.aliased, plan.temporaries) == (
-        stats.argument_size_in_bytes, stats.output_size_in_bytes, stats.alias_size_in_bytes, stats.temp_size_in_bytes)
+        stats.argument_size_in_bytes,
+        stats.output_size_in_bytes,
+        stats.alias_size_in_bytes,
+        stats.temp_size_in_bytes,
+    )
     params = local_bytes(nnx.filter_state(state[0], nnx.Param))
     assert plan.params == plan.gradients == params and plan.optimizer == local_bytes(state[1])
     assert plan.arguments == plan.params + plan.model_state + plan.optimizer + plan.batch
 
 
 def test_fits_verdict_at_the_boundary():
-    plan = MemoryPlan(params=4, model_state=0, optimizer=8, gradients=4, batch=1, arguments=13, outputs=14,
-                      aliased=12, temporaries=100, platform="cpu", devices=2, mesh={"fsdp": 2},
-                      config=load_config(TINY), compile_seconds=1.0)
+    plan = MemoryPlan(
+        params=4,
+        model_state=0,
+        optimizer=8,
+        gradients=4,
+        batch=1,
+        arguments=13,
+        outputs=14,
+        aliased=12,
+        temporaries=100,
+        platform="cpu",
+        devices=2,
+        mesh={"fsdp": 2},
+        config=load_config(TINY),
+        compile_seconds=1.0,
+    )
     assert plan.total == 13 + 100 + 14 - 12
     assert plan.fits(115) and "device memory 115 B: fits, 0 B free (total 100% of it)" in format_plan(plan, 115)
     assert not plan.fits(100) and "device memory 100 B: does NOT fit, 15 B over (total 115% of it)" in format_plan(
-        plan, 100)
+        plan, 100
+    )
     assert "device memory" not in format_plan(plan)
 
 
 def test_auto_dtype_is_planned_as_bfloat16_and_an_explicit_one_kept():
-    assert train.memory.for_accelerator(load_config(TINY, ["model.dtype=auto"])).model.dtype == "bfloat16"
-    explicit = load_config(TINY, ["model.dtype=float32"])
+    assert train.memory.for_accelerator(load_config(TINY, ["compute.dtype=auto"])).compute.dtype == "bfloat16"
+    explicit = load_config(TINY, ["compute.dtype=float32"])
     assert train.memory.for_accelerator(explicit) is explicit
 
 
-@pytest.mark.parametrize("text, size", [
-    ("80GiB", 80 * 2**30), ("80GB", 80 * 10**9), ("141e9", 141 * 10**9), ("85899345920", 80 * 2**30),
-    ("512 MiB", 512 * 2**20), ("1.5TB", 1.5e12), ("80gib", 80 * 2**30), ("4096B", 4096),
-])
+@pytest.mark.parametrize(
+    "text, size",
+    [
+        ("80GiB", 80 * 2**30),
+        ("80GB", 80 * 10**9),
+        ("141e9", 141 * 10**9),
+        ("85899345920", 80 * 2**30),
+        ("512 MiB", 512 * 2**20),
+        ("1.5TB", 1.5e12),
+        ("80gib", 80 * 2**30),
+        ("4096B", 4096),
+    ],
+)
 def test_device_memory_sizes(text, size):
     assert parse_size(text) == size
 
@@ -129,17 +173,17 @@ def test_device_count_comes_from_the_mesh_or_devices(capsys):
 
 
 def test_unknown_remat_policy_lists_the_choices():
-    with pytest.raises(ConfigError, match="model.remat_policy='most'.*" + ", ".join(NAMES)):
-        load_config(TINY, ["model.remat_policy=most"])
-    with pytest.raises(RematError, match="unknown; choose one of " + ", ".join(NAMES)):
+    with pytest.raises(ConfigError, match="compute.remat_policy='most'.*" + ", ".join(POLICIES)):
+        load_config(TINY, ["compute.remat_policy=most"])
+    with pytest.raises(RematError, match="unknown; choose one of " + ", ".join(POLICIES)):
         remat(lambda x: x, "most")
 
 
 def test_host_offload_is_refused_on_cpu_before_compiling(capsys):
     check_policy("offload_projections", "gpu")
     check_policy("offload_projections", "tpu")
-    with pytest.raises(RematError, match="offload_projections.*cpu backend.*save_projections"):
+    with pytest.raises(RematError, match=r"offload_projections.*cpu backend.*save_projections"):
         remat(lambda x: x, "offload_projections")
     for plan in ([], ["--plan"]):  # training stops before reading data, the plan before compiling
-        assert main([TINY, *SMALL, "model.remat_policy=offload_projections", *plan]) == 2
+        assert main([TINY, *SMALL, "compute.remat_policy=offload_projections", *plan]) == 2
         assert "pinned host memory" in capsys.readouterr().err

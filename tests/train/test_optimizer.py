@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import models
-from train.config import ModelConfig, OptimizerConfig
+from train.config import ComputeConfig, ModelConfig, OptimizerConfig
 from train.optimizer import decay_mask, learning_rate_schedule
 from train.step import accumulated_grads
 
@@ -20,23 +20,30 @@ def test_warmup_then_cosine_to_min_ratio():
 
 
 def test_weight_decay_spares_norm_scales():
-    model = models.build(ModelConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2, num_kv_heads=1,
-                                     head_dim=8, mlp_dim=32), rngs=nnx.Rngs(0))
+    model = nnx.eval_shape(
+        lambda: models.build(
+            ModelConfig(vocab_size=32, embed_dim=16, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32),
+            rngs=nnx.Rngs(0),
+        )
+    )
     mask = nnx.to_pure_dict(decay_mask(nnx.state(model, nnx.Param)))
     assert mask["layers"]["attn_norm"]["scale"] is False and mask["final_norm"]["scale"] is False
     assert mask["layers"]["attn"]["q"] is True and mask["embed"]["embedding"] is True
 
 
 def test_gradient_accumulation_equals_one_batch():
-    config = ModelConfig(vocab_size=32, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8,
-                         mlp_dim=32, dtype="float32", remat_policy="none")
-    model = models.build(config, rngs=nnx.Rngs(0))
+    config = ModelConfig(vocab_size=32, embed_dim=16, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=32)
+    model = models.build(config, ComputeConfig(remat_policy="none"), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     segment_ids = np.repeat([[1] * 10 + [2] * 4 + [0] * 2], 4, 0).astype(np.int32)
     segment_ids[1, 8:] = 0  # rows with different token counts: the mean must weight tokens, not rows
-    batch = dict(tokens=rng.integers(0, 32, (4, 16)).astype(np.int32), targets=rng.integers(0, 32, (4, 16)).astype(np.int32),
-                 segment_ids=segment_ids, positions=np.tile(np.arange(16, dtype=np.int32), (4, 1)),
-                 loss_mask=(segment_ids > 0).astype(np.float32))
+    batch = dict(
+        tokens=rng.integers(0, 32, (4, 16)).astype(np.int32),
+        targets=rng.integers(0, 32, (4, 16)).astype(np.int32),
+        segment_ids=segment_ids,
+        positions=np.tile(np.arange(16, dtype=np.int32), (4, 1)),
+        loss_mask=(segment_ids > 0).astype(np.float32),
+    )
     one = accumulated_grads(model, batch, 8, 1)
     four = accumulated_grads(model, batch, 8, 4)
     np.testing.assert_allclose(one[1], four[1], rtol=1e-6)

@@ -13,6 +13,21 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 @pytest.mark.parametrize("name, devices", [("finetune-128k-deepseek-v2-lite", 8), ("finetune-128k-deepseek-v3", 256)])
 def test_deepseek_128k_recipe_fits_80_gib(name, devices):
-    done = subprocess.run([sys.executable, "-m", "train", f"configs/{name}.yaml", "--plan", "--devices", str(devices),
-                           "--device-memory", "80GiB"], cwd=REPO, capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "train",
+            f"configs/{name}.yaml",
+            "--plan",
+            "--devices",
+            str(devices),
+            "--device-memory",
+            "80GiB",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert done.returncode == 0 and "fits" in done.stdout, done.stdout + done.stderr

@@ -48,7 +48,7 @@ def assert_restored(restored, expected_values, expected_shardings):
     values = jax.tree_util.tree_leaves_with_path(expected_values)
     arrays, shardings = jax.tree.leaves(restored), jax.tree.leaves(expected_shardings)
     assert len(arrays) == len(values) == len(shardings)
-    for (path, value), array, sharding in zip(values, arrays, shardings):
+    for (path, value), array, sharding in zip(values, arrays, shardings, strict=True):
         name = jax.tree_util.keystr(path)
         assert array.sharding == sharding, (name, array.sharding, sharding)
         assert array.dtype == value.dtype, name

@@ -1,5 +1,6 @@
-"""Exact resume: a run interrupted (SIGTERM, SIGKILL, SIGKILL mid-checkpoint, corrupt newest checkpoint) and
-restarted with the same command logs the same per-step losses, bit for bit, as an uninterrupted run."""
+"""Exact resume: a run interrupted (SIGTERM; SIGKILL mid-checkpoint; a corrupt newest checkpoint beside a leftover
+partial one) and restarted with the same command logs the same per-step losses, bit for bit, as an uninterrupted
+run."""
 
 import json
 import os
@@ -15,28 +16,50 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS = 8
 OVERRIDES = [
-    "model.embed_dim=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
-    "model.mlp_dim=128", "model.remat_policy=none", "data.seq_len=64", "data.max_documents=60",
-    "train.batch_size=8", "train.progress_bar=false", "train.sample_tokens=0", "train.log_every_steps=1",
-    "train.eval_batches=0", "optimizer.warmup_steps=2", f"optimizer.decay_steps={STEPS}", "checkpoint.every_steps=2",
+    "model.embed_dim=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=32",
+    "model.mlp_dim=128",
+    "compute.remat_policy=none",
+    "data.seq_len=64",
+    "data.max_documents=60",
+    "train.batch_size=8",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.log_every_steps=1",
+    "train.eval_batches=0",
+    "optimizer.warmup_steps=2",
+    f"optimizer.decay_steps={STEPS}",
+    "checkpoint.every_steps=2",
     "checkpoint.keep=3",
+    "train.peak_tflops_per_device=1",  # the MFU's peak given: no CPU matmul benchmark at start
 ]
 
 
 def command(output: pathlib.Path, steps: int = STEPS) -> list[str]:
-    return [sys.executable, "-m", "train", "configs/tiny.yaml", *OVERRIDES, f"train.steps={steps}",
-            f"train.output_dir={output}"]
+    return [
+        sys.executable,
+        "-m",
+        "train",
+        "configs/tiny.yaml",
+        *OVERRIDES,
+        f"train.steps={steps}",
+        f"train.output_dir={output}",
+    ]
 
 
 def start(output, steps=STEPS) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.Popen(command(output, steps), cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        command(output, steps), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def finish(output, steps=STEPS) -> str:
     process = start(output, steps)
-    out, err = process.communicate(timeout=300)
+    _, err = process.communicate(timeout=300)
     assert process.returncode == 0, err[-3000:]
     return err
 
@@ -62,10 +85,9 @@ def wait_for(condition, process, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    output = tmp_path_factory.mktemp("uninterrupted")
-    finish(output)
-    result = losses(output)
+def reference(shared_run):
+    """Per-step losses of the uninterrupted run (one run for the whole session)."""
+    result = losses(shared_run("test_resume-uninterrupted", finish))
     assert sorted(result) == list(range(1, STEPS + 1))
     return result
 
@@ -83,20 +105,14 @@ def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
     assert losses(tmp_path) == reference
 
 
-def test_sigkill_resumes_exactly(reference, tmp_path):
-    process = start(tmp_path)
-    wait_for(lambda: logged_steps(tmp_path) >= 5, process)
-    process.kill()
-    process.communicate()
-    finish(tmp_path)
-    assert losses(tmp_path) == reference
-
-
-def test_sigkill_while_a_checkpoint_is_written(reference, tmp_path):
+def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(reference, tmp_path):
+    """Killed while the checkpoint of step 4 or later is written, after steps beyond the last complete one were
+    logged: the rerun resumes from that one, logs those steps once more (each once) and leaves no partial
+    checkpoint."""
     process = start(tmp_path)
     checkpoints = tmp_path / "checkpoints"
-    writing = lambda: checkpoints.is_dir() and any("tmp" in p.name for p in checkpoints.iterdir())  # noqa: E731
-    wait_for(writing, process)
+    writing = lambda: checkpoints.is_dir() and any("tmp" in p.name for p in checkpoints.iterdir())
+    wait_for(lambda: logged_steps(tmp_path) >= 3 and writing(), process)
     process.kill()
     process.communicate()
     finish(tmp_path)
@@ -104,23 +120,19 @@ def test_sigkill_while_a_checkpoint_is_written(reference, tmp_path):
     assert not any("tmp" in p.name for p in checkpoints.iterdir())
 
 
-def test_corrupt_newest_checkpoint_is_skipped_with_a_warning(reference, tmp_path):
+def test_corrupt_newest_and_leftover_partial_checkpoints_are_skipped(reference, tmp_path):
+    """The newest complete checkpoint (6) is corrupt and a partial one (8, no optimizer state) is left over: the
+    partial one is removed without being read, the corrupt one set aside with a warning, and the run resumes
+    from 4."""
     finish(tmp_path, steps=6)  # decay_steps is fixed, so stopping at 6 and going on to 8 changes nothing
-    newest = tmp_path / "checkpoints" / "6"
-    for path in (newest / "model").rglob("*"):
+    checkpoints = tmp_path / "checkpoints"
+    for path in (checkpoints / "6" / "model").rglob("*"):
         if path.is_file() and path.stat().st_size > 0:
             path.write_bytes(b"garbage")
-    err = finish(tmp_path)
-    assert "cannot be restored" in err and "6.corrupt" in err
-    assert (tmp_path / "checkpoints" / "6.corrupt").is_dir()
-    assert losses(tmp_path) == reference
-
-
-def test_leftover_partial_checkpoint_is_ignored(reference, tmp_path):
-    finish(tmp_path, steps=4)
-    partial = tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp"
-    shutil.copytree(tmp_path / "checkpoints" / "4", partial)
+    partial = checkpoints / "8.orbax-checkpoint-tmp"
+    shutil.copytree(checkpoints / "4", partial)
     shutil.rmtree(partial / "optimizer")
-    finish(tmp_path)
+    err = finish(tmp_path)
+    assert err.count("cannot be restored") == 1 and "6.corrupt" in err
+    assert (checkpoints / "6.corrupt").is_dir() and not partial.exists()
     assert losses(tmp_path) == reference
-    assert not partial.exists()

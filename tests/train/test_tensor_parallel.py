@@ -17,14 +17,29 @@ from parallel.tensor import residual_spec
 from tests.train.step_reference import assert_same_step, first_step, initial_state
 from train.config import MeshConfig, ModelConfig, ParallelConfig
 
-LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64,
-                    dtype="float32", remat_policy="none")
-DEEPSEEK = ModelConfig(family="deepseek", vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=4,
-                       head_dim=24, mlp_dim=64, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
-                       qk_rope_head_dim=8, v_head_dim=16, num_experts=8, experts_per_token=2, moe_mlp_dim=16,
-                       num_shared_experts=1, first_dense_layers=1, dtype="float32", remat_policy="none",
-                       expert_capacity_factor=4.0)  # num_experts / experts_per_token: expert parallelism drops nothing
-RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8)
+LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64)
+DEEPSEEK = ModelConfig(
+    family="deepseek",
+    vocab_size=64,
+    embed_dim=32,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=24,
+    mlp_dim=64,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_experts=8,
+    experts_per_token=2,
+    moe_mlp_dim=16,
+    num_shared_experts=1,
+    first_dense_layers=1,
+)
+# capacity factor num_experts / experts_per_token: expert parallelism drops nothing
+RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)
 PLAIN = ParallelConfig(block_q=8, block_kv=8)
 
 
@@ -36,20 +51,30 @@ def references():
     def get(model):
         if model.family not in cache:
             host_state = initial_state(model)
-            cache[model.family] = host_state, first_step(host_state, model, MeshConfig(fsdp=1), PLAIN,
-                                                         jax.devices()[:1])
+            cache[model.family] = (
+                host_state,
+                first_step(host_state, model, MeshConfig(fsdp=1), PLAIN, jax.devices()[:1]),
+            )
         return cache[model.family]
 
     return get
 
 
-@pytest.mark.parametrize("model, mesh_config, parallel_config", [
-    (LLAMA, MeshConfig(fsdp=2, tensor=4), PLAIN),  # 2 key/value heads repeated for 4 tensor ranks
-    (LLAMA, MeshConfig(fsdp=2, tensor=4), ParallelConfig(block_q=8, block_kv=8, scatter_residual=False)),
-    (DEEPSEEK, MeshConfig(fsdp=1, expert=2, context=4), RING),  # experts over expert x context
-    (DEEPSEEK, MeshConfig(fsdp=1, context=2, tensor=4), RING),  # experts over context x tensor (scattered)
-], ids=["llama-tensor4-fsdp2", "llama-tensor4-fsdp2-all_reduce",
-        "deepseek-expert2-context4", "deepseek-context2-tensor4"])
+@pytest.mark.parametrize(
+    "model, mesh_config, parallel_config",
+    [
+        (LLAMA, MeshConfig(fsdp=2, tensor=4), PLAIN),  # 2 key/value heads repeated for 4 tensor ranks
+        (LLAMA, MeshConfig(fsdp=2, tensor=4), ParallelConfig(block_q=8, block_kv=8, scatter_residual=False)),
+        (DEEPSEEK, MeshConfig(fsdp=1, expert=2, context=4), RING),  # experts over expert x context
+        (DEEPSEEK, MeshConfig(fsdp=1, context=2, tensor=4), RING),  # experts over context x tensor (scattered)
+    ],
+    ids=[
+        "llama-tensor4-fsdp2",
+        "llama-tensor4-fsdp2-all_reduce",
+        "deepseek-expert2-context4",
+        "deepseek-context2-tensor4",
+    ],
+)
 def test_tensor_parallel_step_equals_one_device(references, model, mesh_config, parallel_config):
     host_state, reference = references(model)
     assert_same_step(first_step(host_state, model, mesh_config, parallel_config, jax.devices()), reference)
@@ -94,8 +119,11 @@ def compiled_block(block, grad: bool) -> str:
 @pytest.mark.parametrize("family", ["llama", "deepseek"])
 def test_block_moves_activations_by_reduce_scatter_and_all_gather(family):
     config = LLAMA if family == "llama" else DEEPSEEK
-    block = (models.llama.Block(config, rngs=nnx.Rngs(0)) if family == "llama"
-             else models.deepseek.Block(config, moe=False, rngs=nnx.Rngs(0)))
+    block = (
+        models.llama.Block(config, rngs=nnx.Rngs(0))
+        if family == "llama"
+        else models.deepseek.Block(config, moe=False, rngs=nnx.Rngs(0))
+    )
     found = collectives(compiled_block(block, grad=True))
     activations = [(kind, shape) for kind, shape in found if TOKEN_DIMS & set(shape)]
     assert not [a for a in activations if a[0] == "all-reduce"], activations
@@ -104,6 +132,11 @@ def test_block_moves_activations_by_reduce_scatter_and_all_gather(family):
 
 def test_mla_gathers_only_the_low_rank_outputs():
     attention = models.deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0)).attn
-    gathered = [shape for kind, shape in collectives(compiled_block(attention, grad=False))
-                if kind == "all-gather" and TOKEN_DIMS & set(shape)]
-    assert [shape[-1] for shape in gathered] == [DEEPSEEK.q_lora_rank + DEEPSEEK.kv_lora_rank + DEEPSEEK.qk_rope_head_dim]
+    gathered = [
+        shape
+        for kind, shape in collectives(compiled_block(attention, grad=False))
+        if kind == "all-gather" and TOKEN_DIMS & set(shape)
+    ]
+    assert [shape[-1] for shape in gathered] == [
+        DEEPSEEK.q_lora_rank + DEEPSEEK.kv_lora_rank + DEEPSEEK.qk_rope_head_dim
+    ]

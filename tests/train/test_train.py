@@ -1,6 +1,8 @@
-"""Training runs in-process: loss falls and outputs are written; fine-tuning from a checkpoint; bad input stops
-with a clear error before anything is lost."""
+"""Training runs in-process: loss falls, outputs are written and a sample is printed; fine-tuning from a
+checkpoint; bad input stops with a clear error before anything is lost."""
 
+import contextlib
+import io
 import json
 import pathlib
 import re
@@ -14,10 +16,22 @@ from train.loop import run
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SMALL = [
-    "model.embed_dim=64", "model.num_layers=2", "model.num_heads=2", "model.num_kv_heads=1", "model.head_dim=32",
-    "model.mlp_dim=128", "model.remat_policy=none", "data.seq_len=64", "data.max_documents=60",
-    "train.batch_size=8", "train.progress_bar=false", "train.sample_tokens=0", "train.log_every_steps=1",
-    "train.eval_batches=1", "optimizer.warmup_steps=5", "optimizer.learning_rate=3e-3",
+    "model.embed_dim=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=32",
+    "model.mlp_dim=128",
+    "compute.remat_policy=none",
+    "data.seq_len=64",
+    "data.max_documents=60",
+    "train.batch_size=8",
+    "train.progress_bar=false",
+    "train.sample_tokens=0",
+    "train.log_every_steps=1",
+    "train.eval_batches=1",
+    "optimizer.warmup_steps=5",
+    "optimizer.learning_rate=3e-3",
 ]
 
 
@@ -29,15 +43,29 @@ def records(output):
     return [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
 
 
+def train(output):
+    """40 steps with evaluations and checkpoints at 20 and 40, then a sample; what it prints goes to stdout.txt."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        run(
+            config(
+                output,
+                "train.steps=40",
+                "checkpoint.every_steps=20",
+                "train.eval_every_steps=20",
+                "train.sample_tokens=8",
+            )
+        )
+    (output / "stdout.txt").write_text(printed.getvalue())
+
+
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    output = tmp_path_factory.mktemp("trained")
-    run(config(output, "train.steps=40", "checkpoint.every_steps=20", "train.eval_every_steps=20",
-               "train.sample_tokens=8"))
-    return output
+def trained(shared_run):
+    """The output directory of `train`, one run for the whole session (read only by the tests)."""
+    return shared_run("test_train-trained", train)
 
 
-def test_loss_falls_and_outputs_are_written(trained, capfd):
+def test_loss_falls_and_outputs_are_written(trained):
     lines = records(trained)
     assert [r["step"] for r in lines] == list(range(1, 41))
     for record in lines:
@@ -50,17 +78,21 @@ def test_loss_falls_and_outputs_are_written(trained, capfd):
     assert sorted(int(p.name) for p in (trained / "checkpoints").iterdir() if p.name.isdigit()) == [20, 40]
 
 
-def test_sample_is_printed(tmp_path, capfd):
-    run(config(tmp_path, "train.steps=2", "checkpoint.enabled=false", "train.sample_tokens=8",
-               "train.eval_batches=0"))
-    assert "--- sample ---" in capfd.readouterr().out
+def test_sample_is_printed(trained):
+    assert "--- sample ---" in (trained / "stdout.txt").read_text()
 
 
 def test_params_only_init_from_checkpoint_seeds_fine_tuning(trained, tmp_path):
     fresh_first = records(trained)[0]["loss"]
     trained_last = records(trained)[-1]["loss"]
-    run(config(tmp_path / "tuned", "train.steps=1", f"checkpoint.init_from={trained / 'checkpoints'}",
-               "train.eval_batches=0"))
+    run(
+        config(
+            tmp_path / "tuned",
+            "train.steps=1",
+            f"checkpoint.init_from={trained / 'checkpoints'}",
+            "train.eval_batches=0",
+        )
+    )
     tuned_first = records(tmp_path / "tuned")[0]["loss"]
     assert abs(tuned_first - trained_last) < abs(tuned_first - fresh_first), (fresh_first, trained_last, tuned_first)
 
@@ -85,14 +117,23 @@ def test_tokenizer_larger_than_model_vocab(tmp_path):
 
 
 def test_resuming_with_another_model_is_refused(trained):
-    with pytest.raises(ConfigError, match="model.embed_dim was 64, now 128"):
+    with pytest.raises(ConfigError, match=re.escape("model.embed_dim was 64, now 128")):
         run(config(trained, "model.embed_dim=128"))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLoss) as info:
-        run(config(tmp_path, "train.steps=8", "optimizer.learning_rate=1e30", "optimizer.warmup_steps=0",
-                   "optimizer.clip_norm=0", "checkpoint.every_steps=1", "train.eval_batches=0"))
+        run(
+            config(
+                tmp_path,
+                "train.steps=8",
+                "optimizer.learning_rate=1e30",
+                "optimizer.warmup_steps=0",
+                "optimizer.clip_norm=0",
+                "checkpoint.every_steps=1",
+                "train.eval_batches=0",
+            )
+        )
     match = re.match(r"loss is (nan|inf|-inf) at step (\d+) .* Last good checkpoint: step (\d+) ", str(info.value))
     assert match and int(match[3]) == int(match[2]) - 1 >= 1, str(info.value)
     assert "optimizer.learning_rate" in str(info.value)

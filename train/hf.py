@@ -1,4 +1,4 @@
-"""`python -m models.hf import HF_DIR OUT` and `python -m models.hf export CHECKPOINT HF_DIR`.
+"""`python -m train.hf import HF_DIR OUT` and `python -m train.hf export CHECKPOINT HF_DIR`.
 
 import writes OUT/model (an orbax `model` item: `checkpoint.init_from=OUT` seeds a run's parameters from it),
 OUT/model.yaml (the architecture under a top-level `model:` key, for a run config's `base:`) and
@@ -23,9 +23,10 @@ import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
 
+from models.config import ConfigError, ModelConfig
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
-from train.checkpoint import restore_model_params
-from train.config import RUNTIME_FIELDS, ConfigError, ModelConfig, from_dict, load_config
+from train.checkpoint import restore_model_params, step_directory
+from train.config import from_dict, load_config
 
 MODEL_YAML = "model.yaml"
 HF_CONFIG = "hf_config.json"
@@ -42,25 +43,15 @@ def import_checkpoint(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype
     out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(out / "model", nnx.to_pure_dict(nnx.state(model)), force=True)
-    architecture = {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RUNTIME_FIELDS}
-    (out / MODEL_YAML).write_text(f"# Imported from {pathlib.Path(hf_dir).absolute()}; use as a run config's "
-                                  f"`base:` with checkpoint.init_from={out}\n"
-                                  + yaml.safe_dump({"model": architecture}, sort_keys=False))
+    architecture = dataclasses.asdict(model.config)
+    (out / MODEL_YAML).write_text(
+        f"# Imported from {pathlib.Path(hf_dir).absolute()}; use as a run config's "
+        f"`base:` with checkpoint.init_from={out}\n" + yaml.safe_dump({"model": architecture}, sort_keys=False)
+    )
     (out / HF_CONFIG).write_text((pathlib.Path(hf_dir) / CONFIG).read_text())
     if (pathlib.Path(hf_dir) / TOKENIZER).is_file():
         shutil.copyfile(pathlib.Path(hf_dir) / TOKENIZER, out / TOKENIZER)
     return model.config
-
-
-def step_directory(checkpoint: str | pathlib.Path) -> pathlib.Path:
-    """The directory holding the `model` item: CHECKPOINT itself, or its newest step directory."""
-    path = pathlib.Path(checkpoint).absolute()
-    if (path / "model").is_dir():
-        return path
-    steps = ocp.utils.checkpoint_steps(path) if path.is_dir() else []
-    if not steps:
-        raise FileNotFoundError(f"{path} holds no `model` item and no checkpoint step directories")
-    return path / str(max(steps))
 
 
 def checkpoint_config(step_dir: pathlib.Path, config_path: str | pathlib.Path | None = None) -> ModelConfig:
@@ -75,9 +66,14 @@ def checkpoint_config(step_dir: pathlib.Path, config_path: str | pathlib.Path | 
     raise FileNotFoundError(f"{step_dir} holds neither {MODEL_YAML} nor a run's `meta` item; pass --config")
 
 
-def export_checkpoint(checkpoint: str | pathlib.Path, hf_dir: str | pathlib.Path, *,
-                      config_path: str | pathlib.Path | None = None, hf_config: str | pathlib.Path | None = None,
-                      max_shard_bytes: int = 2**31) -> list[str]:
+def export_checkpoint(
+    checkpoint: str | pathlib.Path,
+    hf_dir: str | pathlib.Path,
+    *,
+    config_path: str | pathlib.Path | None = None,
+    hf_config: str | pathlib.Path | None = None,
+    max_shard_bytes: int = 2**31,
+) -> list[str]:
     """CHECKPOINT's parameters -> a Hugging Face directory; `hf_config` (default CHECKPOINT/hf_config.json when
     present) supplies the CARRIED config.json keys. Returns the shard file names."""
     step_dir = step_directory(checkpoint)
@@ -91,8 +87,9 @@ def export_checkpoint(checkpoint: str | pathlib.Path, hf_dir: str | pathlib.Path
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.hf", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m train.hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     load = commands.add_parser("import", help="Hugging Face directory -> checkpoint for checkpoint.init_from")
     load.add_argument("hf_dir", help="directory with config.json and model.safetensors (or index + shards)")
@@ -101,10 +98,13 @@ def main(argv=None) -> int:
     save = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
     save.add_argument("checkpoint", help="an import's output, a run's checkpoints/<step>, or checkpoints/ (newest)")
     save.add_argument("hf_dir", help="output directory for config.json and safetensors shards")
-    save.add_argument("--config", help="YAML with a `model:` section (run config or model.yaml) overriding the "
-                                       "checkpoint's own")
-    save.add_argument("--hf-config", help=f"config.json whose {', '.join(CARRIED)} are carried over "
-                                          f"(default: CHECKPOINT/{HF_CONFIG} when present)")
+    save.add_argument(
+        "--config", help="YAML with a `model:` section (run config or model.yaml) overriding the checkpoint's own"
+    )
+    save.add_argument(
+        "--hf-config",
+        help=f"config.json whose {', '.join(CARRIED)} are carried over (default: CHECKPOINT/{HF_CONFIG} when present)",
+    )
     save.add_argument("--max-shard-bytes", type=int, default=2**31, help="shard size limit (default 2 GiB)")
     args = parser.parse_args(argv)
     try:
@@ -112,10 +112,19 @@ def main(argv=None) -> int:
             config = import_checkpoint(args.hf_dir, args.out, args.dtype)
             print(f"imported {config.num_layers}-layer {config.family} to {args.out}")
         else:
-            names = export_checkpoint(args.checkpoint, args.hf_dir, config_path=args.config,
-                                      hf_config=args.hf_config, max_shard_bytes=args.max_shard_bytes)
+            names = export_checkpoint(
+                args.checkpoint,
+                args.hf_dir,
+                config_path=args.config,
+                hf_config=args.hf_config,
+                max_shard_bytes=args.max_shard_bytes,
+            )
             print(f"exported {len(names)} shard(s) to {args.hf_dir}")
     except (ValueError, FileNotFoundError, ConfigError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

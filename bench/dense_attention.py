@@ -1,4 +1,5 @@
-"""Dense masked attention: the single-device implementation and the reference for every parallel path."""
+"""Dense masked attention, O(T²) memory: the baseline bench/attention.py measures the kernels against (the tests
+have their own fp32 reference, tests/parallel/attention_reference.py)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,135 @@
+"""What a model is (`ModelConfig`, the fields of a Hugging Face config.json) and how it computes
+(`ComputeConfig`: dtype, remat policy, loss chunk; free to change between restarts of a run).
+
+`check_model` raises `ConfigError` naming the key, the value and what is allowed; the run config
+(train/config.py) calls it before anything compiles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from layers.rope import RopeScalingConfig
+
+
+class ConfigError(ValueError):
+    """A configuration key has a value that is not allowed."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture. Features are chosen by these fields, never by a model's name."""
+
+    family: str = "llama"
+    vocab_size: int = 512
+    embed_dim: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    mlp_dim: int = 768
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    tie_embeddings: bool = False
+    param_dtype: str = "float32"
+    # Multi-head latent attention (deepseek; Hugging Face names in comments)
+    q_lora_rank: int = 0  # q_lora_rank; 0 = full-rank query projection
+    kv_lora_rank: int = 0  # kv_lora_rank
+    qk_nope_head_dim: int = 0  # qk_nope_head_dim
+    qk_rope_head_dim: int = 0  # qk_rope_head_dim (one rotary key shared by all heads)
+    v_head_dim: int = 0  # v_head_dim
+    # Mixture of experts (deepseek); num_experts 0 = dense MLP everywhere
+    num_experts: int = 0  # n_routed_experts
+    experts_per_token: int = 0  # num_experts_per_tok
+    moe_mlp_dim: int = 0  # moe_intermediate_size
+    num_shared_experts: int = 0  # n_shared_experts
+    first_dense_layers: int = 0  # first_k_dense_replace
+    n_group: int = 1  # n_group (group-limited routing; 1 = off)
+    topk_group: int = 1  # topk_group
+    norm_topk_prob: bool = True  # norm_topk_prob
+    routed_scaling_factor: float = 1.0  # routed_scaling_factor
+    router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
+    router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (V2, no bias)
+
+    @property
+    def num_dense_layers(self) -> int:
+        """Blocks that end in a dense MLP: the first `first_dense_layers`, or all of them without experts."""
+        return self.first_dense_layers if self.num_experts else self.num_layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        """Blocks that end in a mixture of experts (the ones after the dense blocks)."""
+        return self.num_layers - self.num_dense_layers
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """How the model computes, not what it is: a run may change these between restarts."""
+
+    dtype: str = "auto"  # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU
+    remat_policy: str = "full"  # a name in models/remat.py: what each scanned block keeps for the backward pass
+    loss_chunk_size: int = 1024  # tokens per chunk of the cross-entropy (never a full [length, vocab] logits)
+
+
+def require(ok: bool, message: str) -> None:
+    """Raises ConfigError(message) unless `ok`."""
+    if not ok:
+        raise ConfigError(message)
+
+
+def check_model(m: ModelConfig) -> None:
+    """Ranges and relations between the architecture's fields (choices are checked with the run config)."""
+    for key in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
+        require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)!r} must be > 0")
+    for key in ("norm_eps", "rope_theta"):
+        require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)!r} must be > 0")
+    require(
+        m.num_heads % m.num_kv_heads == 0,
+        f"model.num_heads={m.num_heads} must be divisible by model.num_kv_heads={m.num_kv_heads}",
+    )
+    require(m.head_dim % 2 == 0, f"model.head_dim={m.head_dim} must be even for rotary embeddings")
+    scaling = m.rope_scaling
+    if scaling.type != "none":
+        require(scaling.factor >= 1, f"model.rope_scaling.factor={scaling.factor} must be >= 1 for {scaling.type}")
+    if scaling.type == "llama3":
+        require(
+            scaling.high_freq_factor > scaling.low_freq_factor,
+            f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} must exceed "
+            f"low_freq_factor={scaling.low_freq_factor}",
+        )
+    if m.family == "deepseek":
+        _check_deepseek(m)
+
+
+def _check_deepseek(m: ModelConfig) -> None:
+    """Latent attention and mixture-of-experts fields of a deepseek model."""
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for model.family=deepseek")
+    require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even")
+    require(m.q_lora_rank >= 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0 = full-rank query)")
+    require(
+        0 <= m.first_dense_layers <= m.num_layers,
+        f"model.first_dense_layers={m.first_dense_layers} must be in [0, model.num_layers={m.num_layers}]",
+    )
+    require(m.router_bias_rate >= 0, f"model.router_bias_rate={m.router_bias_rate} must be >= 0")
+    require(
+        m.router_score == "sigmoid" or m.router_bias_rate == 0,
+        f"model.router_score={m.router_score!r} selects experts without the router bias; set "
+        f"model.router_bias_rate=0 (it is {m.router_bias_rate})",
+    )
+    if m.num_experts == 0:
+        return
+    for key in ("experts_per_token", "moe_mlp_dim"):
+        require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 when model.num_experts > 0")
+    require(
+        m.experts_per_token <= m.num_experts,
+        f"model.experts_per_token={m.experts_per_token} must be <= model.num_experts={m.num_experts}",
+    )
+    require(
+        m.num_experts % m.n_group == 0,
+        f"model.num_experts={m.num_experts} must be divisible by model.n_group={m.n_group}",
+    )
+    require(
+        1 <= m.topk_group <= m.n_group, f"model.topk_group={m.topk_group} must be in [1, model.n_group={m.n_group}]"
+    )

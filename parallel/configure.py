@@ -1,0 +1,129 @@
+"""The parallel plan from a run config: the size checks, `make_plan`, the host-side sequence reorder.
+
+Knows config-shaped objects only: a `parallel` section (context_strategy, load_balance, balance_layout, stripe,
+block_q, block_kv, fused_attention, scatter_residual, expert_dispatch, expert_capacity_factor, expert_chunk_size)
+and mesh axis sizes (context, ulysses, tensor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+
+from parallel.experts import DISPATCHES
+from parallel.mesh import MeshError
+from parallel.plan import Plan
+from parallel.reorder import to_balanced
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise MeshError(message)
+
+
+def layout_for(parallel, context: int) -> str:
+    """The sequence layout: the balanced one when load balancing over more than one context device."""
+    return parallel.balance_layout if parallel.load_balance and context > 1 else "contiguous"
+
+
+def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads: int) -> None:
+    """Raises MeshError (naming the key, the value and what is allowed) when `parallel.context_strategy` does
+    not fit the mesh axis `sizes` (context, ulysses, tensor; absent = 1), `seq_len` or `num_heads`."""
+    strategy = parallel.context_strategy
+    context, ulysses, tensor = (sizes.get(name, 1) for name in ("context", "ulysses", "tensor"))
+    _require(
+        strategy != "none" or context == 1,
+        f"mesh.context={context} splits the sequence but parallel.context_strategy=none; choose "
+        f"parallel.context_strategy=ring (or all_gather, ulysses, usp), or set mesh.context=1",
+    )
+    _require(
+        ulysses == 1 or strategy == "usp",
+        f"mesh.ulysses={ulysses} needs parallel.context_strategy=usp (got {strategy}); set "
+        f"parallel.context_strategy=usp or mesh.ulysses=1",
+    )
+    shards = f"mesh.context={context}" + (f" x mesh.ulysses={ulysses}" if ulysses > 1 else "")
+    _require(seq_len % (context * ulysses) == 0, f"data.seq_len={seq_len} must be divisible by {shards}")
+    layout = layout_for(parallel, context)
+    if layout == "dual_chunk":
+        _require(
+            seq_len % (2 * context) == 0,
+            f"data.seq_len={seq_len} must be divisible by 2 x mesh.context={context} for "
+            f"parallel.balance_layout=dual_chunk; choose another data.seq_len or parallel.load_balance=false",
+        )
+    if layout == "striped":
+        _require(
+            seq_len % (context * parallel.stripe) == 0,
+            f"data.seq_len={seq_len} must be divisible by mesh.context={context} x "
+            f"parallel.stripe={parallel.stripe} for parallel.balance_layout=striped",
+        )
+    if parallel.scatter_residual and tensor > 1:
+        _require(
+            seq_len % (context * ulysses * tensor) == 0,
+            f"data.seq_len={seq_len} must be divisible by {shards} x mesh.tensor={tensor}: "
+            f"parallel.scatter_residual=true splits the tokens over mesh.tensor too; choose another "
+            f"data.seq_len or parallel.scatter_residual=false",
+        )
+    split = {"ulysses": ("mesh.context", context), "usp": ("mesh.ulysses", ulysses)}.get(strategy)
+    if split:
+        key, size = split
+        by = f"{key}={size}" + (f" x mesh.tensor={tensor}" if tensor > 1 else "")
+        _require(
+            num_heads % (size * tensor) == 0,
+            f"model.num_heads={num_heads} must be divisible by {by} for parallel.context_strategy={strategy} "
+            f"(it splits the heads over {key})",
+        )
+
+
+EXPERT_DISPATCHES = ("auto", *DISPATCHES)
+
+
+def expert_dispatch(parallel, platform: str) -> str:
+    """`parallel.expert_dispatch` on devices of `platform` (cpu, gpu, tpu): auto = ragged on GPU/TPU, capacity on
+    CPU. Raises MeshError for ragged on CPU, whose compiler has no ragged all-to-all."""
+    dispatch = parallel.expert_dispatch
+    _require(
+        dispatch in EXPERT_DISPATCHES,
+        f"parallel.expert_dispatch={dispatch!r} is not allowed; choose one of {', '.join(EXPERT_DISPATCHES)}",
+    )
+    if dispatch == "auto":
+        return "capacity" if platform == "cpu" else "ragged"
+    _require(
+        dispatch != "ragged" or platform != "cpu",
+        "parallel.expert_dispatch=ragged needs a GPU or TPU: XLA:CPU cannot compile a ragged all-to-all; use "
+        "parallel.expert_dispatch=capacity (or auto) on CPU",
+    )
+    return dispatch
+
+
+def make_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> Plan:
+    """The plan for the traced steps on devices of `platform`: strategy, mesh axis ("context"; usp: ("context",
+    "ulysses")), layout for the context size in `sizes`, stripe, kernel block sizes, scattered tensor parallelism
+    and the MoE dispatch (`expert_dispatch`). The mesh comes from `jax.set_mesh`."""
+    strategy = parallel.context_strategy
+    return Plan(
+        strategy=strategy,
+        axis=("context", "ulysses") if strategy == "usp" else "context",
+        layout=layout_for(parallel, sizes.get("context", 1)),
+        stripe=parallel.stripe,
+        block_q=parallel.block_q,
+        block_kv=parallel.block_kv,
+        fused=parallel.fused_attention,
+        scatter=parallel.scatter_residual,
+        expert_dispatch=expert_dispatch(parallel, platform),
+        expert_capacity=parallel.expert_capacity_factor,
+        expert_chunk=parallel.expert_chunk_size,
+    )
+
+
+def to_layout(batch: Mapping[str, np.ndarray], plan: Plan, context: int) -> dict[str, np.ndarray]:
+    """Host batch of [rows, seq_len] numpy arrays in original order -> the same arrays in `plan.layout` for
+    `context` ring devices (the arrays themselves when the layout is contiguous)."""
+    if plan.layout == "contiguous":
+        return dict(batch)
+    return {
+        key: np.ascontiguousarray(
+            to_balanced(np.asarray(value), context, axis=1, layout=plan.layout, stripe=plan.stripe)
+        )
+        for key, value in batch.items()
+    }

@@ -1,0 +1,115 @@
+"""Reading a run config: YAML files with `base:` inheritance, dotted overrides, typed sections.
+
+An unknown key or a value of the wrong type raises `ConfigError` naming the key, the value and what is allowed;
+`load_config` then validates the relations between values (train/config/validate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+
+import yaml
+
+from models.config import ConfigError
+from train.config.schema import Config
+from train.config.validate import validate
+
+
+def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
+    """Reads one YAML file and merges it over its `base:` files (a path or a list, relative to it)."""
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"config {path}: `base:` cycle through {[str(p) for p in seen]}")
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config {path}: top level must be a mapping, got {type(raw).__name__}")
+    bases = raw.pop("base", [])
+    merged: dict = {}
+    for base in [bases] if isinstance(bases, str) else bases:
+        _merge(merged, _read_yaml(path.parent / base, (*seen, path)))
+    _merge(merged, raw)
+    return merged
+
+
+def _merge(into: dict, new: dict) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def parse_override(text: str) -> tuple[list[str], typing.Any]:
+    """`train.steps=100` -> (["train", "steps"], 100); the value is read as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    key, value = text.split("=", 1)
+    return key.strip().split("."), yaml.safe_load(value) if value else ""
+
+
+def load_config(path: str | pathlib.Path | None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Reads a YAML config (or the defaults when path is None), applies overrides, validates."""
+    raw = _read_yaml(pathlib.Path(path)) if path else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = raw
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {key} is not a section")
+        node[keys[-1]] = value
+    config = from_dict(Config, raw, "")
+    validate(config)
+    return config
+
+
+def from_dict(cls, raw: typing.Any, prefix: str):
+    """Builds dataclass `cls` from a mapping, checking every key and type."""
+    where = prefix.rstrip(".") or "config"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must be a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in names:
+            raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys in {where}: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    return cls(**kwargs)
+
+
+def _coerce(hint, value, key: str):
+    if dataclasses.is_dataclass(hint):
+        return from_dict(hint, value, key + ".")
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as error:
+                errors.append(str(error))
+        raise ConfigError(errors[-1])
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if hint is type(None) and value is None:
+        return None
+    if isinstance(hint, type) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    name = getattr(hint, "__name__", str(hint))
+    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; expected {name}")
+
+
+def to_dict(config: Config) -> dict:
+    """The config as nested plain dicts (what config.yaml and a checkpoint's `meta` hold)."""
+    return dataclasses.asdict(config)

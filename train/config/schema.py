@@ -1,0 +1,116 @@
+"""The run configuration's schema: one frozen dataclass per YAML section (`model` and `compute` come from
+models/config.py). Defaults here are the defaults of every run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from models.config import ComputeConfig, ModelConfig
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where text comes from and how it becomes packed rows of `seq_len` tokens."""
+
+    source: str = "stdlib"  # "stdlib", a text file, a folder, a .jsonl or a .parquet file
+    format: str = "auto"  # auto | text | jsonl | parquet
+    text_field: str = "text"
+    file_pattern: str = "*"  # glob for folders
+    tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
+    seq_len: int = 256
+    packing: str = "concat"  # concat (split documents across rows) | first_fit (pad rows)
+    shuffle: bool = True
+    seed: int = 0
+    eval_fraction: float = 0.02
+    max_documents: int = 0  # 0 = all
+    add_bos: bool = True
+    add_eos: bool = True
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW with linear warmup and cosine decay to `min_lr_ratio * learning_rate`."""
+
+    learning_rate: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    decay_steps: int = 0  # 0 = train.steps
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0  # 0 = no clipping
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The loop: how long, how big a batch, where outputs go, how often to log and evaluate."""
+
+    steps: int = 1000
+    batch_size: int = 8  # global, in rows of data.seq_len tokens
+    grad_accum_steps: int = 1
+    output_dir: str = "runs/default"
+    log_every_steps: int = 10
+    eval_every_steps: int = 0  # 0 = only at the end
+    eval_batches: int = 4  # 0 = no evaluation
+    seed: int = 0
+    progress_bar: bool = True
+    sample_tokens: int = 120
+    sample_prompt: str = "def "
+    sample_temperature: float = 0.8  # 0 = greedy
+    peak_tflops_per_device: float = 0.0  # 0 = look up, or measure on CPU
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax checkpoints under OUTPUT_DIR/checkpoints; `init_from` seeds params only."""
+
+    enabled: bool = True
+    every_steps: int = 500
+    keep: int = 3
+    async_save: bool = True
+    init_from: str = ""
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes; one -1 takes the remaining devices."""
+
+    data: int = 1
+    fsdp: int = -1
+    expert: int = 1
+    context: int = 1
+    ulysses: int = 1  # usp only: heads split over this axis, inside the context (ring) axis
+    tensor: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How attention runs when the sequence is split over mesh.context (and mesh.ulysses), and whether tensor
+    parallelism scatters the residual stream."""
+
+    context_strategy: str = "none"  # none | all_gather | ring | ulysses | usp
+    load_balance: bool = True  # reorder the sequence when mesh.context > 1 so causal work is even
+    balance_layout: str = "dual_chunk"  # dual_chunk | striped
+    stripe: int = 1  # tokens per stripe for the striped layout
+    block_q: int = 512  # blockwise attention kernel block sizes
+    block_kv: int = 512
+    fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
+    scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
+    expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices
+    expert_capacity_factor: float = 1.25  # expert parallelism: dispatch buffer rows per expert / its balanced load
+    expert_chunk_size: int = 0  # at most this many tokens per device through an MoE block at once; 0 = all
+
+
+@dataclass(frozen=True)
+class Config:
+    """A run: the model, how it computes, its data, optimizer, loop, checkpoints, mesh and parallel plan."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

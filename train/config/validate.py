@@ -1,0 +1,132 @@
+"""Checks a run config before anything compiles: each choice against the registry that implements it, ranges,
+and the relations between sections. A bad value raises ConfigError naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import models
+from layers.moe import ROUTER_SCORES
+from layers.rope import SCALINGS
+from models.config import ConfigError, check_model, require
+from models.dtypes import COMPUTE_DTYPES, PARAM_DTYPES
+from models.remat import POLICIES
+from parallel.configure import EXPERT_DISPATCHES, check_context
+from parallel.mesh import MeshError
+from parallel.reorder import LAYOUTS
+from parallel.strategies import STRATEGIES
+from train.config.schema import Config, MeshConfig
+from train.data import PACKINGS
+from train.sources import FORMATS
+
+# key -> the names its registry implements
+CHOICES = {
+    "model.family": tuple(models.REGISTRY),
+    "model.rope_scaling.type": SCALINGS,
+    "model.param_dtype": PARAM_DTYPES,
+    "model.router_score": ROUTER_SCORES,
+    "compute.dtype": COMPUTE_DTYPES,
+    "compute.remat_policy": tuple(POLICIES),
+    "data.format": FORMATS,
+    "data.packing": PACKINGS,
+    "parallel.context_strategy": tuple(STRATEGIES),
+    "parallel.balance_layout": tuple(layout for layout in LAYOUTS if layout != "contiguous"),
+    "parallel.expert_dispatch": EXPERT_DISPATCHES,
+}
+POSITIVE = (
+    "compute.loss_chunk_size",
+    "data.seq_len",
+    "train.steps",
+    "train.batch_size",
+    "train.grad_accum_steps",
+    "train.log_every_steps",
+    "checkpoint.every_steps",
+    "checkpoint.keep",
+    "optimizer.learning_rate",
+    "parallel.expert_capacity_factor",
+    "parallel.stripe",
+    "parallel.block_q",
+    "parallel.block_kv",
+)
+NON_NEGATIVE = (
+    "optimizer.warmup_steps",
+    "optimizer.decay_steps",
+    "optimizer.weight_decay",
+    "optimizer.clip_norm",
+    "train.eval_every_steps",
+    "train.eval_batches",
+    "train.sample_tokens",
+    "data.max_documents",
+    "train.sample_temperature",
+    "train.peak_tflops_per_device",
+    "parallel.expert_chunk_size",
+)
+
+
+def get(config: Config, key: str):
+    """The value at dotted `key`, e.g. get(config, "train.steps")."""
+    node = config
+    for part in key.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(config: Config) -> None:
+    """Checks choices, ranges and the relations between values."""
+    for key, allowed in CHOICES.items():
+        value = get(config, key)
+        require(value in allowed, f"{key}={value!r} is not allowed; choose one of {', '.join(allowed)}")
+    for key in POSITIVE:
+        require(get(config, key) > 0, f"{key}={get(config, key)!r} must be > 0")
+    for key in NON_NEGATIVE:
+        require(get(config, key) >= 0, f"{key}={get(config, key)!r} must be >= 0")
+    check_model(config.model)
+    d, t, o, c = config.data, config.train, config.optimizer, config.checkpoint
+    require(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
+    require(0 <= d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction!r} must be in [0, 1)")
+    require(
+        d.eval_fraction > 0 or t.eval_batches == 0,
+        f"data.eval_fraction=0 holds out no documents, so train.eval_batches={t.eval_batches} must be 0",
+    )
+    require(
+        t.batch_size % t.grad_accum_steps == 0,
+        f"train.batch_size={t.batch_size} must be divisible by train.grad_accum_steps={t.grad_accum_steps}",
+    )
+    chunk = config.compute.loss_chunk_size
+    require(
+        d.seq_len % min(chunk, d.seq_len) == 0,
+        f"data.seq_len={d.seq_len} must be divisible by compute.loss_chunk_size={chunk} (or shorter than it)",
+    )
+    _check_mesh(config)
+    require(bool(t.output_dir), "train.output_dir must not be empty")
+    require(
+        c.init_from == "" or pathlib.Path(c.init_from).exists(), f"checkpoint.init_from={c.init_from!r} does not exist"
+    )
+
+
+def _check_mesh(config: Config) -> None:
+    """Mesh sizes, and what the model and sequence must divide by them (when known before the mesh is built)."""
+    m, mesh = config.model, config.mesh
+    sizes = {f.name: getattr(mesh, f.name) for f in dataclasses.fields(MeshConfig)}
+    for name, size in sizes.items():
+        require(size == -1 or size >= 1, f"mesh.{name}={size} must be >= 1 or -1 (fill)")
+    fills = [name for name, size in sizes.items() if size == -1]
+    require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join('mesh.' + f for f in fills)}")
+    if mesh.tensor > 1:
+        for key in ("model.num_heads", "model.mlp_dim") + (("model.moe_mlp_dim",) if m.num_experts else ()):
+            require(
+                get(config, key) % mesh.tensor == 0,
+                f"{key}={get(config, key)} must be divisible by mesh.tensor={mesh.tensor}",
+            )
+    if m.num_experts and mesh.expert > 1:
+        require(
+            m.num_experts % mesh.expert == 0,
+            f"model.num_experts={m.num_experts} must be divisible by mesh.expert={mesh.expert}",
+        )
+    if not {"context", "ulysses", "tensor"} & set(fills):  # else known once the mesh is built, checked there
+        try:
+            check_context(config.parallel, sizes, seq_len=config.data.seq_len, num_heads=m.num_heads)
+        except MeshError as error:
+            raise ConfigError(str(error)) from None
