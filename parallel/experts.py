@@ -186,11 +186,11 @@ def _capacity(tokens, assignment, ffn, kernels, num_experts, factor, axes):
         jnp.full((num_experts * cap,), n * k, jnp.int32).at[slot].set(jnp.arange(n * k, dtype=jnp.int32), mode="drop")
     )
     buffer = jnp.take(tokens, filler // k, axis=0, mode="fill", fill_value=0)  # [experts x cap, embed]
-    ep = jax.lax.axis_size(axes)
-    local = num_experts // ep
-    received = jax.lax.all_to_all(buffer.reshape(ep, local, cap, d), axes, 0, 0, tiled=True)  # [source, ...]
-    out = ffn(received.swapaxes(0, 1).reshape(local, ep * cap, d), *kernels)
-    out = jax.lax.all_to_all(out.reshape(local, ep, cap, d).swapaxes(0, 1), axes, 0, 0, tiled=True)
+    shards = jax.lax.axis_size(axes)
+    local = num_experts // shards
+    received = jax.lax.all_to_all(buffer.reshape(shards, local, cap, d), axes, 0, 0, tiled=True)  # [source, ...]
+    out = ffn(received.swapaxes(0, 1).reshape(local, shards * cap, d), *kernels)
+    out = jax.lax.all_to_all(out.reshape(local, shards, cap, d).swapaxes(0, 1), axes, 0, 0, tiled=True)
     y = _combine(out.reshape(num_experts * cap, d), slot.reshape(n, k), weights, tokens.dtype)
     return y, counts, jnp.sum(rank >= cap)
 

@@ -105,9 +105,23 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_spec(("batch", "length"), mesh))
 
 
+def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
+    """int [rows]: the rows of a [batch_size, length] batch that this process's devices hold, in order (every row
+    when the batch is not split across processes), as `jax.make_array_from_process_local_data` takes them."""
+    held = batch_sharding(mesh).addressable_devices_indices_map((batch_size, mesh.size)).values()
+    starts = sorted({index[0].indices(batch_size)[:2] for index in held})
+    return np.concatenate([np.arange(start, stop) for start, stop in starts])
+
+
 def batch_shards(mesh: Mesh) -> int:
     """How many pieces the batch axis is split into: the product of the mesh axes of the `batch` rule."""
     return math.prod(mesh.shape.get(axis, 1) for axis in LOGICAL_RULES["batch"])
+
+
+def length_shards(mesh: Mesh) -> int:
+    """How many pieces a sequence may be split into: the mesh axes of the `length` rule, times `tensor` (a
+    scattered residual stream, parallel/tensor.py)."""
+    return math.prod(mesh.shape.get(axis, 1) for axis in (*LOGICAL_RULES["length"], "tensor"))
 
 
 def check_batch(batch_size: int, accum_steps: int, mesh: Mesh) -> None:

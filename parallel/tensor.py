@@ -6,11 +6,11 @@ reduce-scattered back onto the scattered tokens. Both collectives are explicit (
 compiles a reduce-scatter, never an all-reduce, and their transposes (reduce-scatter of the input gradient,
 all-gather of the output gradient) come out of autodiff.
 
-Inside, the gathered tokens carry a leading `group` axis of size tp sharded over `tensor` (each device its own
-copy), and the sharded dimension of a kernel is split into (group, rest): the projections then never sum over
-devices in the partitioned program, and the sums happen only in the explicit collectives. Without a mesh, with
-tensor = 1 or with the plan's `scatter` off, these are plain einsums and GSPMD places the collectives
-(all-reduce tensor parallelism).
+Inside, the gathered tokens carry a leading `group` axis, one entry per tensor shard, sharded over `tensor`
+(each device its own copy), and the sharded dimension of a kernel is split into (group, rest): the projections
+then never sum over devices in the partitioned program, and the sums happen only in the explicit collectives.
+Without a mesh, with tensor = 1 or with the plan's `scatter` off, these are plain einsums and GSPMD places the
+collectives (all-reduce tensor parallelism).
 """
 
 from __future__ import annotations
@@ -28,15 +28,15 @@ from parallel.mesh import logical_spec
 AXIS = "tensor"
 
 
-def tensor_size() -> int:
+def tensor_shards() -> int:
     """Size of mesh axis `tensor` (1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty else mesh.shape.get(AXIS, 1)
 
 
-def groups() -> int:
+def scatter_shards() -> int:
     """Number of tensor-parallel ranks the residual stream is scattered over (1 = not scattered)."""
-    return tensor_size() if plans.current().scatter else 1
+    return tensor_shards() if plans.current().scatter else 1
 
 
 def token_specs(ndim: int) -> tuple[PartitionSpec, PartitionSpec]:
@@ -55,7 +55,7 @@ class Tokens:
     def __init__(self, grouped: jax.Array):
         """grouped: [group, batch, length, features], group = tensor ranks (sharded over `tensor`) or 1."""
         self.grouped = grouped
-        self.groups = grouped.shape[0]
+        self.shards = grouped.shape[0]
 
     def features(self, start: int, stop: int | None = None) -> Tokens:
         """The same tokens restricted to features [start, stop)."""
@@ -69,16 +69,16 @@ class Tokens:
         inputs, out = equation.split("->")
         x_letters, k_letters = inputs.split(",")
         axis = k_letters.index(split)
-        size, tp = kernel.shape[axis], tensor_size()
-        if size % tp:
+        size, shards = kernel.shape[axis], tensor_shards()
+        if size % shards:
             if not repeat:
                 raise ValueError(
                     f"dimension {split!r} of size {size} of {equation!r} does not split over "
-                    f"mesh.tensor={tp}; make it divisible by {tp}"
+                    f"mesh.tensor={shards}; make it divisible by {shards}"
                 )
-            kernel = jnp.repeat(kernel, tp // math.gcd(size, tp), axis=axis)
+            kernel = jnp.repeat(kernel, shards // math.gcd(size, shards), axis=axis)
         g = _free_letter(equation)
-        kernel = _split_axis(kernel, axis, self.groups)
+        kernel = _split_axis(kernel, axis, self.shards)
         y = jnp.einsum(
             f"{g}{x_letters},{k_letters.replace(split, g + split)}->{out.replace(split, g + split)}",
             self.grouped,
@@ -95,9 +95,9 @@ class Tokens:
 
 
 def gather(x: jax.Array) -> Tokens:
-    """x [batch, length, features] from the residual stream (length scattered over `tensor` when `groups()` > 1)
+    """x [batch, length, features] from the residual stream (length scattered over `tensor` when `scatter_shards()` > 1)
     -> `Tokens` holding every token of the local pieces: one all-gather over `tensor`."""
-    if groups() == 1:
+    if scatter_shards() == 1:
         return Tokens(x[None])
     scattered, gathered = token_specs(x.ndim)
 
@@ -111,7 +111,7 @@ def gather(x: jax.Array) -> Tokens:
 def residual_spec() -> PartitionSpec:
     """Sharding of the residual stream [batch, length, embed] on the current mesh: length over context x ulysses,
     and over `tensor` too when scattered."""
-    if groups() > 1:
+    if scatter_shards() > 1:
         return token_specs(3)[0]
     return logical_spec(("batch", "length", "embed"), jax.sharding.get_abstract_mesh())
 
@@ -127,14 +127,14 @@ def project_scatter(equation: str, x: jax.Array, kernel: jax.Array, split: str) 
     """Row-parallel einsum `equation` ("bt...,...->bt...", contracting the dimension lettered `split` that is
     sharded over `tensor` in x and kernel), its partial sums reduce-scattered onto the scattered tokens, e.g.
     project_scatter("bthd,hde->bte", attn, wo, split="h") -> [batch, length, embed]."""
-    tp = groups()
-    if tp == 1:
+    shards = scatter_shards()
+    if shards == 1:
         return jnp.einsum(equation, x, kernel)
     inputs, out = equation.split("->")
     x_letters, k_letters = inputs.split(",")
     g = _free_letter(equation)
-    x = _split_axis(x, x_letters.index(split), tp)
-    kernel = _split_axis(kernel, k_letters.index(split), tp)
+    x = _split_axis(x, x_letters.index(split), shards)
+    kernel = _split_axis(kernel, k_letters.index(split), shards)
     partial = jnp.einsum(
         f"{x_letters.replace(split, g + split)},{k_letters.replace(split, g + split)}->{g}{out}", x, kernel
     )  # [group, batch, length, ...]: one partial sum per tensor rank

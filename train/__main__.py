@@ -14,8 +14,9 @@ import jax  # importing starts no backend: --plan can still choose the devices
 
 from models.remat import RematError, check_policy
 from parallel.mesh import AXES, MeshError
+from train import distributed
 from train.config import ConfigError, load_config
-from train.errors import NonFiniteLoss
+from train.errors import DataError, NonFiniteLoss
 from train.memory import format_plan, parse_size, plan_memory
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
@@ -77,9 +78,13 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--distributed",
         action="store_true",
-        help="multi-host: call jax.distributed.initialize() (cluster found from SLURM, Open MPI, "
-        "TPU or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID)",
+        help="several processes (hosts) train as one: run the same command in each. The cluster comes from "
+        "--coordinator / --num-processes / --process-id, else JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / "
+        "JAX_PROCESS_ID, else SLURM, Open MPI or TPU detection",
     )
+    parser.add_argument("--coordinator", metavar="HOST:PORT", help="with --distributed: process 0's address")
+    parser.add_argument("--num-processes", type=int, metavar="N", help="with --distributed: processes in the run")
+    parser.add_argument("--process-id", type=int, metavar="I", help="with --distributed: this process, 0..N-1")
     parser.add_argument(
         "--plan",
         action="store_true",
@@ -101,6 +106,9 @@ def main(argv=None) -> int:
     args = parser.parse_intermixed_args(argv)
     if not args.plan and (args.devices is not None or args.device_memory is not None):
         parser.error("--devices and --device-memory go with --plan")
+    cluster_flags = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and cluster_flags != (None, None, None):
+        parser.error("--coordinator, --num-processes and --process-id go with --distributed")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -110,22 +118,17 @@ def main(argv=None) -> int:
         if args.plan:
             return plan(config, args.devices, args.device_memory)
         if args.distributed:
-            jax.distributed.initialize()
+            distributed.initialize(distributed.resolve(*cluster_flags))
         check_policy(config.compute.remat_policy, jax.default_backend())
         from train.loop import run
 
         run(config)
-    except (ConfigError, MeshError, RematError, FileNotFoundError) as error:
+    except (ConfigError, MeshError, RematError, DataError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except NonFiniteLoss as error:
         print(f"error: {error}", file=sys.stderr)
         return 3
-    except ValueError as error:
-        if "empty corpus" not in str(error):
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     return 0
 
 

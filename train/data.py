@@ -1,6 +1,6 @@
 """Grain input pipeline: documents -> token ids -> packed rows of seq_len tokens -> numpy batches.
 
-    doc indices -> shuffle + repeat (train) -> shard by process -> tokenize -> (inputs, targets)
+    held-out split -> doc indices -> shuffle + repeat (train) -> shard by process -> tokenize -> (inputs, targets)
     -> pack (concat: split documents across rows | first_fit: cut to seq_len, pad rows)
     -> model fields -> batch -> thread prefetch
 
@@ -60,6 +60,35 @@ def split_indices(n_docs: int, eval_fraction: float, seed: int) -> tuple[np.ndar
     n_eval = min(max(1, round(n_docs * eval_fraction)), n_docs - 1) if eval_fraction > 0 and n_docs > 1 else 0
     order = np.random.default_rng(seed).permutation(n_docs)
     return np.sort(order[n_eval:]), np.sort(order[:n_eval])
+
+
+class _HeadAndTail:
+    """A one-document source as two documents: 0 is its text less the last `fraction` of its characters,
+    1 is that tail; each gets at least one character where the text has two."""
+
+    def __init__(self, source: Source, fraction: float):
+        self.source = source
+        self.fraction = fraction
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> str:
+        text = self.source[0]
+        cut = len(text) - min(max(1, round(len(text) * self.fraction)), len(text) - 1)
+        return (text[:cut], text[cut:])[index]
+
+
+def held_out(source: Source, eval_fraction: float, seed: int) -> tuple[Source, np.ndarray, np.ndarray]:
+    """(documents, train indices, eval indices) into those documents, int64 [n_train] and [n_eval].
+
+    Whole documents are held out (split_indices), except from a source of one document (a single text
+    file), which no document split can serve: with eval_fraction > 0 its last eval_fraction of characters
+    are held out, as nanoGPT splits a text file (the eval split reads that tail, the train split the rest).
+    """
+    if len(source) == 1 and eval_fraction > 0:
+        return _HeadAndTail(source, eval_fraction), np.array([0]), np.array([1])
+    return source, *split_indices(len(source), eval_fraction, seed)
 
 
 class _Tokenize:
@@ -192,7 +221,8 @@ def build_dataset(
     a finite count the last incomplete batch is dropped, so a small split can give no batch at all,
     and processes can get different batch counts. Process `shard_index` of `shard_count` takes every
     shard_count-th document of the (shuffled, repeated) stream. `source` (default: open_source(cfg))
-    lets the train and eval splits share one opened, indexed source.
+    lets the train and eval splits share one opened, indexed source. The eval split is held_out's:
+    whole documents, or the tail of a single document.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not allowed; choose one of {', '.join(SPLITS)}")
@@ -205,14 +235,12 @@ def build_dataset(
     if cfg.packing not in PACKINGS:
         raise ValueError(f"data.packing={cfg.packing!r} is not allowed; choose one of {', '.join(PACKINGS)}")
 
-    source = open_source(cfg) if source is None else source
-    train_idx, eval_idx = split_indices(len(source), cfg.eval_fraction, cfg.seed)
+    source, train_idx, eval_idx = held_out(open_source(cfg) if source is None else source, cfg.eval_fraction, cfg.seed)
     doc_indices = train_idx if split == "train" else eval_idx
     if len(doc_indices) == 0:
         raise DataError(
             f"split={split!r} has no documents: {len(source)} documents in data.source="
-            f"{cfg.source!r} with data.eval_fraction={cfg.eval_fraction}; eval needs "
-            f"data.eval_fraction > 0 and at least 2 documents"
+            f"{cfg.source!r} with data.eval_fraction={cfg.eval_fraction}; eval needs data.eval_fraction > 0"
         )
 
     docs = grain.MapDataset.source(doc_indices)

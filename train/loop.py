@@ -18,7 +18,7 @@ import numpy as np
 import yaml
 
 from parallel.configure import check_context, make_plan, to_layout
-from parallel.mesh import batch_sharding, check_batch, make_mesh
+from parallel.mesh import batch_sharding, check_batch, make_mesh, process_rows
 from train.checkpoint import Checkpointer, restore_model_params
 from train.config import Config, ConfigError, to_dict
 from train.data import build_dataset
@@ -66,9 +66,13 @@ def check_run_directory(output: pathlib.Path, config: Config) -> None:
             )
 
 
-def global_batch(local: dict, sharding) -> dict:
-    """Host-local numpy rows -> global jax arrays sharded over the batch (and context) axes."""
-    return {key: jax.make_array_from_process_local_data(sharding, np.asarray(value)) for key, value in local.items()}
+def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:
+    """The whole batch (numpy [batch, length], the same in every process) -> global jax arrays sharded over the
+    batch and sequence axes, each process placing its `rows` (`process_rows`)."""
+    return {
+        key: jax.make_array_from_process_local_data(sharding, np.asarray(value)[rows], np.shape(value))
+        for key, value in batch.items()
+    }
 
 
 def run(config: Config) -> dict:
@@ -80,13 +84,11 @@ def run(config: Config) -> dict:
             f"tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
             f"model.vocab_size={config.model.vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}"
         )
-    local_rows = t.batch_size // jax.process_count()
     source = open_source(config.data)  # opened and indexed once for both splits; fails early on bad data
-    data_kw = dict(
-        batch_size=local_rows, shard_index=jax.process_index(), shard_count=jax.process_count(), source=source
-    )
+    # every process reads the whole batch and keeps its rows: the data (and the iterator state in a checkpoint)
+    # is the same whatever the number of processes
     datasets = {
-        split: build_dataset(config.data, tokenizer, split=split, **data_kw)
+        split: build_dataset(config.data, tokenizer, split=split, batch_size=t.batch_size, source=source)
         for split in (("train", "eval") if t.eval_batches else ("train",))
     }
     mesh = make_mesh(config.mesh)
@@ -139,11 +141,11 @@ def _loop(
     chunk = config.compute.loss_chunk_size
     train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps, plan=plan)
     eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan)
-    sharding = batch_sharding(mesh)
+    sharding, rows = batch_sharding(mesh), process_rows(mesh, t.batch_size)
 
-    def device_batch(local: dict) -> dict:
-        """Host rows -> global arrays in the plan's sequence layout (reordered here, once per batch)."""
-        return global_batch(to_layout(local, plan, mesh.shape["context"]), sharding)
+    def device_batch(batch: dict) -> dict:
+        """Host batch -> global arrays in the plan's sequence layout (reordered here, once per batch)."""
+        return global_batch(to_layout(batch, plan, mesh.shape["context"]), sharding, rows)
 
     schedule = learning_rate_schedule(config.optimizer, t.steps)
     tokens_per_step = t.batch_size * config.data.seq_len
@@ -236,7 +238,7 @@ def _loop(
         logger.close()
     if stopped:
         raise SystemExit(128 + stop.signal)
-    if main_process and t.sample_tokens and start < t.steps:
+    if t.sample_tokens and start < t.steps:  # every process: each generation step is a global program
         text = generate(
             dataclasses.replace(train_state, state=state),
             mesh,
@@ -246,5 +248,6 @@ def _loop(
             temperature=t.sample_temperature,
             seed=t.seed,
         )
-        print(f"\n--- sample ---\n{t.sample_prompt}{text}\n--------------", flush=True)
+        if main_process:
+            print(f"\n--- sample ---\n{t.sample_prompt}{text}\n--------------", flush=True)
     return last

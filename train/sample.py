@@ -1,6 +1,7 @@
 """Text generation from a trained model: greedy or temperature sampling over a fixed-size buffer.
 
-The whole buffer is re-run each step (no KV cache): one compiled program, fine for a short sample."""
+The whole buffer is re-run each step (no KV cache): one compiled program, fine for a short sample. Every process
+of a multi-process run calls `generate` (each step is a global program) and gets the same text."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from parallel.mesh import batch_shards
+from parallel.mesh import batch_shards, length_shards
 
 
 def generate(
@@ -18,7 +19,8 @@ def generate(
 ) -> str:
     """Continues `prompt` by up to `max_new_tokens` tokens (stops at EOS); returns the new text."""
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
-    length = len(ids) + max_new_tokens
+    needed = len(ids) + max_new_tokens
+    length = -(-needed // length_shards(mesh)) * length_shards(mesh)  # padded: the sequence may be split
     rows = batch_shards(mesh)  # one row per batch shard: the batch axis must split over the mesh
     graphdef = train_state.graphdef
 
@@ -37,7 +39,7 @@ def generate(
     key = jax.random.key(seed)
     new = []
     with jax.set_mesh(mesh):
-        for index in range(len(ids) - 1, length - 1):
+        for index in range(len(ids) - 1, needed - 1):
             key, sub = jax.random.split(key)
             token = int(next_token(train_state.state, jax.device_put(tokens, replicated), index, sub))
             if token == tokenizer.eos_id:

@@ -5,21 +5,31 @@ JSON lines (one object per line), Parquet (one row per document) and "stdlib" (t
 standard library's own `*.py` files, a corpus present offline everywhere). A folder of JSONL or
 Parquet files (data.format set explicitly) is read as their concatenation. Sources hold paths
 and small indexes, never the corpus, and pickle without open files.
+
+Bad data stops the run with a DataError naming the file (and line) before training starts, as far as
+indexing can tell: every JSON line is parsed when its file is indexed, every text file's head is read
+when its folder is listed (files that are not UTF-8 text are skipped, with a logged count), and an
+unreadable file or folder is an error, never skipped. A file that becomes unreadable later fails with
+a DataError naming it when it is read.
 """
 
 from __future__ import annotations
 
 import bisect
+import codecs
 import json
+import logging
 import os
 import pathlib
 import sysconfig
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from train.errors import DataError
@@ -28,6 +38,10 @@ if TYPE_CHECKING:  # the run config imports this module's registries
     from train.config.schema import DataConfig
 
 SOURCE_HELP = '"stdlib", a text file, a folder, a .jsonl/.json file or a .parquet file'
+SNIFF_BYTES = 8192  # a text file's head read when its folder is listed, to tell text from binary
+JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
+
+log = logging.getLogger(__name__)
 
 
 class Source(Protocol):
@@ -38,11 +52,36 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> str: ...
 
 
+def _unreadable(what: str, error: Exception) -> DataError:
+    """The error for a file or folder (`what`, naming its path) that could not be read."""
+    if isinstance(error, OSError):
+        return DataError(
+            f"cannot read {what}: {error.strerror or error}; data.source and everything in it must be readable"
+        )
+    return DataError(f"cannot read {what}: {error}")
+
+
+def _read(path: str, start: int = 0, size: int = -1) -> bytes:
+    """`size` bytes (-1: all) of the file at `path` from byte `start`; an OSError becomes a DataError naming it."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            return f.read(size)
+    except OSError as error:
+        raise _unreadable(path, error) from None
+
+
+def _unreadable_folder(error: OSError) -> None:
+    """os.walk's onerror: an unreadable folder stops the listing instead of being skipped."""
+    raise _unreadable(f"folder {error.filename}", error) from None
+
+
 def _list_files(root: pathlib.Path, pattern: str, skip_dirs: frozenset[str] = frozenset()) -> list[pathlib.Path]:
     """Files under `root` at any depth whose path matches `pattern` (from the right, like
-    `PurePath.match`: "*.txt", "train/*.jsonl"), sorted; hidden entries and `skip_dirs` are skipped."""
+    `PurePath.match`: "*.txt", "train/*.jsonl"), sorted; hidden entries and `skip_dirs` are skipped,
+    an unreadable folder is a DataError."""
     found = []
-    for folder, dirs, files in os.walk(root):
+    for folder, dirs, files in os.walk(root, onerror=_unreadable_folder):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in skip_dirs]
         for name in files:
             path = pathlib.Path(folder, name)
@@ -51,8 +90,39 @@ def _list_files(root: pathlib.Path, pattern: str, skip_dirs: frozenset[str] = fr
     return sorted(found)
 
 
+def _not_text(path: pathlib.Path) -> str | None:
+    """Why the file at `path` is not UTF-8 text, judged by its first SNIFF_BYTES bytes (a NUL byte or
+    invalid UTF-8 there), or None when it is text."""
+    head = _read(str(path), size=SNIFF_BYTES)
+    if (nul := head.find(b"\0")) >= 0:
+        return f"NUL byte at offset {nul}"
+    try:  # a character cut at the end of a full head is not an error
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
+    except UnicodeDecodeError as error:
+        return f"not UTF-8 (byte 0x{head[error.start]:02x} at offset {error.start})"
+    return None
+
+
+def _text_only(paths: Sequence[pathlib.Path]) -> tuple[list[pathlib.Path], str]:
+    """The paths of UTF-8 text files (see _not_text), and a note on the others ("" if none), also logged."""
+    kept, skipped = [], []
+    for path in paths:
+        reason = _not_text(path)
+        if reason is None:
+            kept.append(path)
+        else:
+            skipped.append(f"{path}: {reason}")
+    note = ""
+    if skipped:
+        note = f"skipped {len(skipped)} of {len(paths)} files that are not UTF-8 text (binary or another encoding), "
+        note += f"e.g. {skipped[0]}"
+        log.warning("%s", note)
+    return kept, note
+
+
 class TextFiles:
-    """Each file is one document, decoded as UTF-8 with invalid bytes replaced."""
+    """Each file is one document, decoded as UTF-8 with invalid bytes replaced (open_source and
+    stdlib_source pass only files whose head is UTF-8 text, so only stray bytes further on are replaced)."""
 
     def __init__(self, paths: Sequence[pathlib.Path | str]):
         self.paths = [str(path) for path in paths]
@@ -61,60 +131,74 @@ class TextFiles:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> str:
-        return pathlib.Path(self.paths[index]).read_bytes().decode("utf-8", errors="replace")
+        return _read(self.paths[index]).decode("utf-8", errors="replace")
 
 
 def stdlib_source() -> TextFiles:
-    """The standard library's `*.py` files (installed packages excluded), sorted by path."""
+    """The standard library's UTF-8 `*.py` files (installed packages excluded), sorted by path."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-    return TextFiles(_list_files(root, "*.py", skip_dirs=frozenset({"site-packages", "dist-packages"})))
+    files = _list_files(root, "*.py", skip_dirs=frozenset({"site-packages", "dist-packages"}))
+    return TextFiles(_text_only(files)[0])
 
 
 class JsonlFile:
-    """One JSON object per line; the document is `obj[text_field]`. Empty lines are skipped.
+    """One JSON object per line; the document is `obj[text_field]`, a string. Blank lines are skipped.
 
-    Line start offsets (int64 [num_docs]) are found once; each read seeks to its line.
+    Indexing reads the file once, line by line, and checks every line (DataError naming file:line);
+    it keeps each document's line start offset, length in bytes and line number (int64 [num_docs] each).
+    Each read seeks to its line.
     """
 
-    def __init__(self, path: pathlib.Path | str, text_field: str, chunk_bytes: int = 1 << 24):
+    def __init__(self, path: pathlib.Path | str, text_field: str):
         self.path = str(path)
         self.text_field = text_field
-        found = [np.zeros(0, np.int64)]
+        starts, lengths, numbers = array("q"), array("q"), array("q")
         offset = 0
-        with open(self.path, "rb") as f:
-            while chunk := f.read(chunk_bytes):
-                found.append(offset + np.flatnonzero(np.frombuffer(chunk, np.uint8) == ord("\n")))
-                offset += len(chunk)
-        ends = np.concatenate(found).astype(np.int64)  # offset of each line's "\n" (its exclusive end)
-        if offset and (ends.size == 0 or ends[-1] != offset - 1):
-            ends = np.append(ends, offset)  # last line without a trailing newline
-        starts = np.concatenate([[0], ends + 1])[: len(ends)].astype(np.int64)
-        keep = ends > starts
-        self._starts = starts[keep]
-        self._lengths = (ends - starts)[keep]
-        self._line_numbers = np.flatnonzero(keep) + 1
+        try:
+            with open(self.path, "rb") as f:
+                for number, line in enumerate(f, 1):
+                    if line.strip():
+                        self._text(line, number)
+                        starts.append(offset)
+                        lengths.append(len(line))
+                        numbers.append(number)
+                    offset += len(line)
+        except OSError as error:
+            raise _unreadable(self.path, error) from None
+        self._starts, self._lengths, self._line_numbers = (
+            np.frombuffer(a, np.int64) for a in (starts, lengths, numbers)
+        )
 
     def __len__(self) -> int:
         return len(self._starts)
 
     def __getitem__(self, index: int) -> str:
-        with open(self.path, "rb") as f:
-            f.seek(int(self._starts[index]))
-            line = f.read(int(self._lengths[index]))
-        where = f"{self.path} line {self._line_numbers[index]}"
+        line = _read(self.path, int(self._starts[index]), int(self._lengths[index]))
+        return self._text(line, int(self._line_numbers[index]))
+
+    def _text(self, line: bytes, number: int) -> str:
+        """The document on `line`, line `number` of the file; a DataError naming file:line if the line is not a
+        JSON object with a string field text_field."""
+        where = f"{self.path}:{number}"
+        expected = f"each line must be a JSON object with a string field {self.text_field!r} (data.text_field)"
         try:
-            obj = json.loads(line)
+            obj = json.loads(line.decode("utf-8"))  # a str parses faster than bytes
+        except UnicodeDecodeError as error:
+            raise DataError(f"{where}: not UTF-8 ({error.reason} at byte {error.start}); {expected}") from None
         except json.JSONDecodeError as error:
-            raise DataError(f"{where} is not valid JSON: {error}") from None
-        if not isinstance(obj, dict):
+            shown = line.decode("utf-8", errors="replace").strip()
+            shown = shown if len(shown) <= 80 else shown[:77] + "..."
             raise DataError(
-                f"{where} is a JSON {type(obj).__name__}; expected an object with field {self.text_field!r}"
-            )
+                f"{where}: not valid JSON ({error.msg} at column {error.colno}) in {shown!r}; {expected}"
+            ) from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: a JSON {JSON_TYPES.get(type(obj), 'null')}; {expected}")
         if self.text_field not in obj:
-            raise DataError(f"{where} has no field {self.text_field!r} (data.text_field); keys present: {sorted(obj)}")
+            raise DataError(f"{where}: no field {self.text_field!r} (data.text_field); keys present: {sorted(obj)}")
         text = obj[self.text_field]
         if not isinstance(text, str):
-            raise DataError(f"{where}: field {self.text_field!r} is a {type(text).__name__}; expected a string")
+            kind = JSON_TYPES.get(type(text), "null")
+            raise DataError(f"{where}: field {self.text_field!r} is a JSON {kind}; {expected}")
         return text
 
 
@@ -128,13 +212,20 @@ class ParquetFile:
         self.path = str(path)
         self.text_field = text_field
         self.cache_groups = cache_groups
-        metadata = pq.ParquetFile(self.path)
+        metadata = self._parquet()
         columns = metadata.schema_arrow.names
         if text_field not in columns:
             raise DataError(f"{self.path} has no column {text_field!r} (data.text_field); available columns: {columns}")
         counts = [metadata.metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
         self._group_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._open()
+
+    def _parquet(self) -> pq.ParquetFile:
+        """The file opened for reading; a DataError naming it if it cannot be read or is not Parquet."""
+        try:
+            return pq.ParquetFile(self.path)
+        except (OSError, pa.ArrowException) as error:
+            raise _unreadable(f"{self.path} as Parquet", error) from None
 
     def _open(self) -> None:
         self._file: pq.ParquetFile | None = None
@@ -157,8 +248,11 @@ class ParquetFile:
                 self._cache.move_to_end(group)
                 return self._cache[group]
             if self._file is None:
-                self._file = pq.ParquetFile(self.path)
-            rows = self._file.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+                self._file = self._parquet()
+            try:
+                rows = self._file.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+            except (OSError, pa.ArrowException) as error:
+                raise _unreadable(f"{self.path} row group {group}", error) from None
             self._cache[group] = rows
             while len(self._cache) > self.cache_groups:
                 self._cache.popitem(last=False)
@@ -222,7 +316,11 @@ def _format_of(path: pathlib.Path, fmt: str) -> str:
 
 
 def open_source(cfg: DataConfig) -> Source:
-    """The documents named by cfg.source / cfg.format / cfg.file_pattern, cut to cfg.max_documents."""
+    """The documents named by cfg.source / cfg.format / cfg.file_pattern, cut to cfg.max_documents.
+
+    Every file is indexed here (see the module docstring), so bad data fails now with a DataError.
+    """
+    skipped = ""  # text: the note on files skipped as not UTF-8 text
     if cfg.source == "stdlib":
         source, where = stdlib_source(), "data.source='stdlib'"
     else:
@@ -236,6 +334,7 @@ def open_source(cfg: DataConfig) -> Source:
             files = _list_files(path, cfg.file_pattern)
             where += f" with data.file_pattern={cfg.file_pattern!r}"
         if fmt == "text":
+            files, skipped = _text_only(files)
             source = TextFiles(files)
         elif fmt in READERS:
             parts = [READERS[fmt](f, cfg.text_field) for f in files]
@@ -245,5 +344,6 @@ def open_source(cfg: DataConfig) -> Source:
     if cfg.max_documents:
         source = Head(source, cfg.max_documents)
     if not any(source[i] for i in range(len(source))):
-        raise DataError(f"empty corpus: {where} has no documents" + (" with any text" if len(source) else ""))
+        empty = f"empty corpus: {where} has no documents" + (" with any text" if len(source) else "")
+        raise DataError(empty + (f" ({skipped})" if skipped else ""))
     return source

@@ -155,11 +155,6 @@ def v2_config_from_hf(hf: dict) -> ModelConfig:
     )
 
 
-def dense_count(config: ModelConfig) -> int:
-    """How many leading layers are dense (the `dense_layers` stack): all of them without experts."""
-    return config.first_dense_layers if config.num_experts else config.num_layers
-
-
 def is_v3(config: ModelConfig) -> bool:
     """Whether `config` routes as DeepSeek-V3 (sigmoid scores)."""
     return config.router_score == "sigmoid"
@@ -192,7 +187,7 @@ def _hf_config(config: ModelConfig, architecture: str, model_type: str) -> dict:
         "num_experts_per_tok": config.experts_per_token,
         "moe_intermediate_size": config.moe_mlp_dim,
         "n_shared_experts": config.num_shared_experts,
-        "first_k_dense_replace": dense_count(config),
+        "first_k_dense_replace": config.num_dense_layers,
         "n_group": config.n_group,
         "topk_group": config.topk_group,
         "routed_scaling_factor": config.routed_scaling_factor,
@@ -238,19 +233,19 @@ def v2_config_to_hf(config: ModelConfig) -> dict:
 
 def dense_layers(config: ModelConfig):
     """Hugging Face layer i fills slice i of the dense stack."""
-    for layer in range(dense_count(config)):
+    for layer in range(config.num_dense_layers):
         yield {"layer": layer}, (layer,)
 
 
 def moe_layers(config: ModelConfig):
-    """Hugging Face layer dense_count + j fills slice j of the MoE stack."""
-    first = dense_count(config)
+    """Hugging Face layer num_dense_layers + j fills slice j of the MoE stack."""
+    first = config.num_dense_layers
     for layer in range(config.num_layers - first):
         yield {"layer": first + layer}, (layer,)
 
 
 def moe_experts(config: ModelConfig):
-    """Expert e of Hugging Face layer dense_count + j fills slice [j, e] of a stacked expert kernel."""
+    """Expert e of Hugging Face layer num_dense_layers + j fills slice [j, e] of a stacked expert kernel."""
     for fields, (layer,) in moe_layers(config):
         for expert in range(config.num_experts):
             yield dict(fields, expert=expert), (layer, expert)
@@ -356,7 +351,7 @@ def _experts(config: ModelConfig, selection_bias: bool) -> list[Tensor]:
 
 def _table(config: ModelConfig, interleaved: bool, selection_bias: bool) -> list[Tensor]:
     table = [Tensor("model.embed_tokens.weight", ("embed", "embedding"))]
-    if dense_count(config):
+    if config.num_dense_layers:
         table += _attention("dense_layers", dense_layers, config, interleaved)
         table += [
             Tensor(
@@ -368,7 +363,7 @@ def _table(config: ModelConfig, interleaved: bool, selection_bias: bool) -> list
             )
             for name in ("gate", "up", "down")
         ]
-    if dense_count(config) < config.num_layers:
+    if config.num_moe_layers:
         table += _attention("moe_layers", moe_layers, config, interleaved) + _experts(config, selection_bias)
     table.append(Tensor("model.norm.weight", ("final_norm", "scale")))
     if not config.tie_embeddings:
@@ -394,7 +389,7 @@ def v2_tensors(config: ModelConfig) -> list[Tensor]:
 
 def v2_zeros(config: ModelConfig) -> tuple[tuple[str, ...], ...]:
     """Our router bias, which DeepSeek-V2 checkpoints do not hold (when there are MoE layers)."""
-    return (BIAS,) if dense_count(config) < config.num_layers else ()
+    return (BIAS,) if config.num_moe_layers else ()
 
 
 FAMILY = Family(ARCHITECTURE, "deepseek", config_from_hf, config_to_hf, tensors, read_tensors, exports=is_v3)

@@ -9,17 +9,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from parallel.strategies.common import axis_size, global_index, kernel, local_piece, run_sharded
+from parallel.strategies.common import axis_shards, global_index, kernel, local_piece, run_sharded
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
-    axis, cp = plan.axis, axis_size(mesh, plan.axis)
-    index = global_index(q.shape[1], plan, cp)
+    axis, shards = plan.axis, axis_shards(mesh, plan.axis)
+    index = global_index(q.shape[1], plan, shards)
 
     def local(q, k, v, seg):
         k, v, kv_seg = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))
-        q_index = local_piece(index, cp, lax.axis_index(axis))
+        q_index = local_piece(index, shards, lax.axis_index(axis))
         out, _ = kernel(q, k, v, seg, kv_seg, q_index, jnp.asarray(index), causal=causal, scale=scale, plan=plan)
         return out
 

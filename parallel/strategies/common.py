@@ -20,7 +20,7 @@ def axis_names(axis) -> tuple[str, ...]:
     return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
-def axis_size(mesh, axis) -> int:
+def axis_shards(mesh, axis) -> int:
     """Number of devices along one mesh axis or the product over several."""
     return math.prod(mesh.shape[name] for name in axis_names(axis))
 
@@ -38,10 +38,10 @@ def specs(mesh, axis):
     )
 
 
-def global_index(length: int, plan, cp: int) -> np.ndarray:
-    """int32 [length]: original token index of each position of a sequence in `plan.layout` for `cp` ranks."""
-    if plan.layout != "contiguous" and cp > 1:
-        return layout_index(length, cp, plan.layout, plan.stripe)
+def global_index(length: int, plan, shards: int) -> np.ndarray:
+    """int32 [length]: original token index of each position of a sequence in `plan.layout` for `shards` ranks."""
+    if plan.layout != "contiguous" and shards > 1:
+        return layout_index(length, shards, plan.layout, plan.stripe)
     return np.arange(length, dtype=np.int32)
 
 

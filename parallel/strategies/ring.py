@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel import blockwise
-from parallel.strategies.common import axis_size, global_index, run_sharded
+from parallel.strategies.common import axis_shards, global_index, run_sharded
 
 
 def merge(out_a, lse_a, out_b, lse_b):
@@ -27,16 +27,16 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out_a * jnp.exp(lse_a - safe)[..., None] + out_b * jnp.exp(lse_b - safe)[..., None], lse
 
 
-def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: float, plan):
-    """Inside a shard_map over `axis` (cp devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
-    seg [batch, n] are this device's piece; index: numpy [cp * n] global token index of every piece in order.
+def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, scale: float, plan):
+    """Inside a shard_map over `axis` (shards devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
+    seg [batch, n] are this device's piece; index: numpy [shards * n] global token index of every piece in order.
     Returns out [batch, n, heads, dv]."""
     dqk, n = k.shape[-1], q.shape[1]
-    table = index.reshape(cp, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
-    balanced = causal and plan.layout == "dual_chunk" and cp > 1
+    table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
+    balanced = causal and plan.layout == "dual_chunk" and shards > 1
     blocks = dict(scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
     half = n // 2
-    to_next = [(i, (i + 1) % cp) for i in range(cp)]
+    to_next = [(i, (i + 1) % shards) for i in range(shards)]
 
     def pieces(kv, seg_all, source):
         return kv[..., :dqk], kv[..., dqk:], seg_all[source], jnp.asarray(table)[source]
@@ -107,8 +107,8 @@ def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: 
 
     def run_forward(q, kv, seg):
         rank = lax.axis_index(axis)
-        seg_all = lax.all_gather(seg, axis)  # [cp, batch, n]: small, so gathered once instead of rotated
-        in_flight = lax.ppermute(kv, axis, to_next) if cp > 1 else kv  # issued before step 0's compute
+        seg_all = lax.all_gather(seg, axis)  # [shards, batch, n]: small, so gathered once instead of rotated
+        in_flight = lax.ppermute(kv, axis, to_next) if shards > 1 else kv  # issued before step 0's compute
         # The first and the last step are peeled off the scan: the first is the causal diagonal (the local block,
         # no permute to wait for) and its result initialises the merge; the last issues no permute, since no
         # block is needed after it. The scan body is then the same for every middle step: permute, compute, merge.
@@ -117,12 +117,12 @@ def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: 
         def body(carry, i):
             kv, out, lse = carry
             next_kv = lax.ppermute(kv, axis, to_next)
-            part = step_forward(q, seg, kv, seg_all, rank, (rank - i) % cp, first=False)
+            part = step_forward(q, seg, kv, seg_all, rank, (rank - i) % shards, first=False)
             return (next_kv, *merge(out, lse, *part)), None
 
-        if cp > 1:
-            (kv_last, out, lse), _ = lax.scan(body, (in_flight, out, lse), jnp.arange(1, cp - 1))
-            out, lse = merge(out, lse, *step_forward(q, seg, kv_last, seg_all, rank, (rank + 1) % cp, first=False))
+        if shards > 1:
+            (kv_last, out, lse), _ = lax.scan(body, (in_flight, out, lse), jnp.arange(1, shards - 1))
+            out, lse = merge(out, lse, *step_forward(q, seg, kv_last, seg_all, rank, (rank + 1) % shards, first=False))
         return out.astype(q.dtype), (seg_all, out, lse)
 
     @jax.custom_vjp
@@ -136,20 +136,22 @@ def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: 
     def ring_bwd(residuals, dout):
         q, kv, seg, seg_all, out, lse = residuals
         rank = lax.axis_index(axis)
-        in_flight = lax.ppermute(kv, axis, to_next) if cp > 1 else kv
+        in_flight = lax.ppermute(kv, axis, to_next) if shards > 1 else kv
         dq, dkv = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, rank, first=True)
 
         def body(carry, i):
             kv, dkv, dq = carry
             next_kv = lax.ppermute(kv, axis, to_next)
             dkv = lax.ppermute(dkv, axis, to_next)  # arrives with the K/V it belongs to
-            dq_i, dkv_i = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, (rank - i) % cp, first=False)
+            dq_i, dkv_i = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, (rank - i) % shards, first=False)
             return (next_kv, dkv + dkv_i, dq + dq_i), None
 
-        if cp > 1:
-            (kv_last, dkv, dq), _ = lax.scan(body, (in_flight, dkv, dq), jnp.arange(1, cp - 1))
+        if shards > 1:
+            (kv_last, dkv, dq), _ = lax.scan(body, (in_flight, dkv, dq), jnp.arange(1, shards - 1))
             dkv = lax.ppermute(dkv, axis, to_next)
-            dq_i, dkv_i = step_backward(q, seg, kv_last, seg_all, out, lse, dout, rank, (rank + 1) % cp, first=False)
+            dq_i, dkv_i = step_backward(
+                q, seg, kv_last, seg_all, out, lse, dout, rank, (rank + 1) % shards, first=False
+            )
             dq, dkv = dq + dq_i, lax.ppermute(dkv + dkv_i, axis, to_next)  # home to the owner
         return dq.astype(q.dtype), dkv.astype(kv.dtype), None
 
@@ -159,7 +161,7 @@ def ring_local(q, k, v, seg, *, axis: str, cp: int, index, causal: bool, scale: 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
-    axis, cp = plan.axis, axis_size(mesh, plan.axis)
-    index = global_index(q.shape[1], plan, cp)
-    local = functools.partial(ring_local, axis=axis, cp=cp, index=index, causal=causal, scale=scale, plan=plan)
+    axis, shards = plan.axis, axis_shards(mesh, plan.axis)
+    index = global_index(q.shape[1], plan, shards)
+    local = functools.partial(ring_local, axis=axis, shards=shards, index=index, causal=causal, scale=scale, plan=plan)
     return run_sharded(local, mesh, axis, q, k, v, segment_ids)

@@ -1,7 +1,7 @@
 """`ulysses`: one all-to-all turns the merged [Q | K | V] from sequence-sharded to head-sharded, the local kernel
-sees the whole sequence for heads/cp heads, one all-to-all turns the output back.
+sees the whole sequence for heads/shards heads, one all-to-all turns the output back.
 
-KV heads fewer than (or not divisible by) cp are repeated just enough that every device gets the KV heads
+KV heads fewer than (or not divisible by) the shards are repeated just enough that every device gets the KV heads
 its query heads use.
 """
 
@@ -13,52 +13,52 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel import fused
-from parallel.strategies.common import axis_size, global_index, kernel, run_sharded
+from parallel.strategies.common import axis_shards, global_index, kernel, run_sharded
 
 
-def check_heads(heads: int, kv_heads: int, size: int, axis) -> None:
+def check_heads(heads: int, kv_heads: int, shards: int, axis) -> None:
     """Query heads must split evenly over the Ulysses axis."""
-    if heads % size:
+    if heads % shards:
         raise ValueError(
-            f"ulysses over mesh axis {axis!r} of size {size} needs query heads divisible by {size}; "
+            f"ulysses over mesh axis {axis!r} of size {shards} needs query heads divisible by {shards}; "
             f"got {heads} heads (choose a context size that divides {heads})"
         )
 
 
-def scatter_heads(q, k, v, seg, axis: str, size: int):
-    """Inside a shard_map: sequence pieces [batch, n, h, d] -> whole (gathered) sequence [batch, n*size, h/size, d]
-    for this device's heads, with ONE all-to-all carrying q, k and v together; seg [batch, n] -> [batch, n*size]."""
+def scatter_heads(q, k, v, seg, axis: str, shards: int):
+    """Inside a shard_map: sequence pieces [batch, n, h, d] -> whole (gathered) sequence [batch, n*shards, h/shards, d]
+    for this device's heads, with ONE all-to-all carrying q, k and v together; seg [batch, n] -> [batch, n*shards]."""
     heads, kv_heads = q.shape[2], k.shape[2]
-    repeat = size // math.gcd(kv_heads, size)
+    repeat = shards // math.gcd(kv_heads, shards)
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
     batch, n = q.shape[:2]
-    parts = [x.reshape(batch, n, size, -1) for x in (q, k, v)]
+    parts = [x.reshape(batch, n, shards, -1) for x in (q, k, v)]
     widths = [p.shape[-1] for p in parts]
     merged = jnp.concatenate(parts, axis=-1).reshape(batch, n, -1)
-    merged = lax.all_to_all(merged, axis, split_axis=2, concat_axis=1, tiled=True)  # [batch, n*size, size_w]
+    merged = lax.all_to_all(merged, axis, split_axis=2, concat_axis=1, tiled=True)  # [batch, n*shards, width]
     q_w, k_w, _ = widths
-    q_h = merged[..., :q_w].reshape(batch, n * size, heads // size, q.shape[-1])
-    k_h = merged[..., q_w : q_w + k_w].reshape(batch, n * size, k.shape[2] // size, k.shape[-1])
-    v_h = merged[..., q_w + k_w :].reshape(batch, n * size, k.shape[2] // size, v.shape[-1])
+    q_h = merged[..., :q_w].reshape(batch, n * shards, heads // shards, q.shape[-1])
+    k_h = merged[..., q_w : q_w + k_w].reshape(batch, n * shards, k.shape[2] // shards, k.shape[-1])
+    v_h = merged[..., q_w + k_w :].reshape(batch, n * shards, k.shape[2] // shards, v.shape[-1])
     return q_h, k_h, v_h, lax.all_gather(seg, axis, axis=1, tiled=True)
 
 
 def gather_heads(out, axis: str):
-    """Inside a shard_map: [batch, n*size, heads/size, dv] -> [batch, n, heads, dv] with one all-to-all."""
+    """Inside a shard_map: [batch, n*shards, heads/shards, dv] -> [batch, n, heads, dv] with one all-to-all."""
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
-    axis, size = plan.axis, axis_size(mesh, plan.axis)
-    check_heads(q.shape[2], k.shape[2], size, axis)
-    index = jnp.asarray(global_index(q.shape[1], plan, size))
+    axis, shards = plan.axis, axis_shards(mesh, plan.axis)
+    check_heads(q.shape[2], k.shape[2], shards, axis)
+    index = jnp.asarray(global_index(q.shape[1], plan, shards))
     use_fused = fused.usable(
-        q, k, v, segment_ids=segment_ids, contiguous=plan.layout == "contiguous" or size == 1, enabled=plan.fused
+        q, k, v, segment_ids=segment_ids, contiguous=plan.layout == "contiguous" or shards == 1, enabled=plan.fused
     )
 
     def local(q, k, v, seg):
-        q, k, v, seg = scatter_heads(q, k, v, seg, axis, size)
+        q, k, v, seg = scatter_heads(q, k, v, seg, axis, shards)
         if use_fused:
             return gather_heads(fused.attention(q, k, v, causal=causal, scale=scale), axis)
         out, _ = kernel(q, k, v, seg, seg, index, index, causal=causal, scale=scale, plan=plan)

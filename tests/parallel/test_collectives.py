@@ -53,20 +53,20 @@ def compiled_ops(fn, mesh, op: str) -> list[str]:
     return [line for line in text.splitlines() if " = " in line and re.search(rf"\s{op}\(", line)]
 
 
-@pytest.mark.parametrize("cp", [2, 4, 8])
-def test_ring_one_stacked_permute_per_step(cp):
-    mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
+@pytest.mark.parametrize("shards", [2, 4, 8])
+def test_ring_one_stacked_permute_per_step(shards):
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
     fn = attention_fn("ring", mesh)
     with jax.set_mesh(mesh):
-        assert dynamic_count(jax.make_jaxpr(fn)(*args()).jaxpr, "ppermute") == cp - 1
+        assert dynamic_count(jax.make_jaxpr(fn)(*args()).jaxpr, "ppermute") == shards - 1
     permutes = compiled_ops(fn, mesh, "collective-permute")
-    stacked = f"f32[{BATCH},{LENGTH // cp},{KV_HEADS},{DQK + DV}]"
+    stacked = f"f32[{BATCH},{LENGTH // shards},{KV_HEADS},{DQK + DV}]"
     assert permutes and all(stacked in line for line in permutes), permutes
 
 
-@pytest.mark.parametrize("cp", [2, 8])
-def test_ulysses_two_all_to_alls(cp):
-    mesh = Mesh(np.array(jax.devices()[:cp]), ("context",))
+@pytest.mark.parametrize("shards", [2, 8])
+def test_ulysses_two_all_to_alls(shards):
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
     fn = attention_fn("ulysses", mesh)
     with jax.set_mesh(mesh):
         assert dynamic_count(jax.make_jaxpr(fn)(*args()).jaxpr, "all_to_all") == 2

@@ -10,20 +10,20 @@ import pytest
 from parallel.reorder import from_balanced, layout_index, to_balanced
 
 LAYOUTS = [("dual_chunk", 1), ("striped", 1), ("striped", 2)]
-LENGTH = 48  # divisible by 2*cp and cp*stripe for every cp below
+LENGTH = 48  # divisible by 2*shards and shards*stripe for every shards below
 
 
-def reference_perm(length, cp, layout, stripe):
+def reference_perm(length, shards, layout, stripe):
     """Original token index of each balanced position, by loops over ranks from the layout definitions."""
     perm = []
     if layout == "dual_chunk":
-        chunk = length // (2 * cp)
-        for rank in range(cp):
-            for c in (rank, 2 * cp - 1 - rank):
+        chunk = length // (2 * shards)
+        for rank in range(shards):
+            for c in (rank, 2 * shards - 1 - rank):
                 perm += range(c * chunk, (c + 1) * chunk)
     else:
-        for rank in range(cp):
-            for start in range(rank * stripe, length, cp * stripe):
+        for rank in range(shards):
+            for start in range(rank * stripe, length, shards * stripe):
                 perm += range(start, start + stripe)
     assert sorted(perm) == list(range(length))
     return np.array(perm)
@@ -38,26 +38,26 @@ def op_names(hlo: str) -> set[str]:
     return {op.lower() for op in re.findall(r"=\s*\S+\s+([\w-]+)\(", hlo)}
 
 
-@pytest.mark.parametrize("cp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("shards", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("layout,stripe", LAYOUTS)
 @pytest.mark.parametrize("axis,dtype", [(0, jnp.float32), (1, jnp.bfloat16), (2, jnp.int32), (-1, jnp.float32)])
-def test_matches_gather_and_round_trips(cp, layout, stripe, axis, dtype):
+def test_matches_gather_and_round_trips(shards, layout, stripe, axis, dtype):
     shape = [3, 5, 2]
     shape[axis] = LENGTH
     x = sample(shape, dtype)
-    perm = reference_perm(LENGTH, cp, layout, stripe)
+    perm = reference_perm(LENGTH, shards, layout, stripe)
     kwargs = dict(axis=axis, layout=layout, stripe=stripe)
-    balanced = to_balanced(x, cp, **kwargs)
+    balanced = to_balanced(x, shards, **kwargs)
     assert balanced.dtype == x.dtype and balanced.shape == x.shape
     np.testing.assert_array_equal(balanced, jnp.take(x, perm, axis=axis))
-    np.testing.assert_array_equal(from_balanced(x, cp, **kwargs), jnp.take(x, np.argsort(perm), axis=axis))
-    np.testing.assert_array_equal(from_balanced(balanced, cp, **kwargs), x)
+    np.testing.assert_array_equal(from_balanced(x, shards, **kwargs), jnp.take(x, np.argsort(perm), axis=axis))
+    np.testing.assert_array_equal(from_balanced(balanced, shards, **kwargs), x)
     host = np.asarray(x)
-    host_balanced = to_balanced(host, cp, **kwargs)
+    host_balanced = to_balanced(host, shards, **kwargs)
     assert isinstance(host_balanced, np.ndarray)
     np.testing.assert_array_equal(host_balanced, balanced)
-    np.testing.assert_array_equal(from_balanced(host, cp, **kwargs), from_balanced(x, cp, **kwargs))
-    np.testing.assert_array_equal(layout_index(LENGTH, cp, layout, stripe), perm)
+    np.testing.assert_array_equal(from_balanced(host, shards, **kwargs), from_balanced(x, shards, **kwargs))
+    np.testing.assert_array_equal(layout_index(LENGTH, shards, layout, stripe), perm)
 
 
 def test_contiguous_is_identity():
@@ -84,12 +84,15 @@ def test_compiled_hlo_has_no_gather_or_loop(fn, layout, stripe):
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(cp=4, layout="dual_chunk"), "sequence length 100 is not divisible by 2*cp=8 for dual_chunk layout"),
-        (dict(cp=3, layout="striped", stripe=2), "sequence length 100 is not divisible by cp*stripe=6"),
-        (dict(cp=2, layout="zigzag"), "'zigzag' is unknown; available: contiguous, dual_chunk, striped"),
-        (dict(cp=0), "cp=0 must be >= 1"),
-        (dict(cp=2, layout="striped", stripe=0), "stripe=0 must be >= 1"),
-        (dict(cp=2, axis=3), "axis 3 is out of range"),
+        (
+            dict(shards=4, layout="dual_chunk"),
+            "sequence length 100 is not divisible by 2*shards=8 for dual_chunk layout",
+        ),
+        (dict(shards=3, layout="striped", stripe=2), "sequence length 100 is not divisible by shards*stripe=6"),
+        (dict(shards=2, layout="zigzag"), "'zigzag' is unknown; available: contiguous, dual_chunk, striped"),
+        (dict(shards=0), "shards=0 must be >= 1"),
+        (dict(shards=2, layout="striped", stripe=0), "stripe=0 must be >= 1"),
+        (dict(shards=2, axis=3), "axis 3 is out of range"),
     ],
 )
 def test_bad_arguments(kwargs, message):

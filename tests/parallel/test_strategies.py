@@ -1,5 +1,5 @@
 """Every context strategy equals explicit-mask fp32 attention on un-reordered inputs, outputs and gradients:
-{causal, full} x {MHA, GQA, MLA head dims} in one compile per (strategy, cp), run on packed rows with padding
+{causal, full} x {MHA, GQA, MLA head dims} in one compile per (strategy, shards), run on packed rows with padding
 (one row all padding) and on unpacked rows; balanced (dual_chunk) order; contiguous and striped separately."""
 
 import jax
@@ -16,13 +16,13 @@ HEADS = {"mha": (8, 8, 16, 16), "gqa": (8, 2, 16, 16), "mla": (8, 8, 24, 16)}  #
 BATCH, LENGTH = 2, 64
 
 
-def mesh_for(strategy: str, cp: int):
-    """(mesh, axis, layout cp): usp splits cp into ring x ulysses."""
-    devices = np.array(jax.devices()[:cp])
+def mesh_for(strategy: str, shards: int):
+    """(mesh, axis, layout shards): usp splits shards into ring x ulysses."""
+    devices = np.array(jax.devices()[:shards])
     if strategy == "usp":
-        ring = {1: 1, 2: 2, 4: 2, 8: 4}[cp]
-        return Mesh(devices.reshape(ring, cp // ring), ("context", "ulysses")), ("context", "ulysses"), ring
-    return Mesh(devices, ("context",)), "context", cp
+        ring = {1: 1, 2: 2, 4: 2, 8: 4}[shards]
+        return Mesh(devices.reshape(ring, shards // ring), ("context", "ulysses")), ("context", "ulysses"), ring
+    return Mesh(devices, ("context",)), "context", shards
 
 
 def cases():
@@ -36,13 +36,13 @@ def inputs(heads, seed):
     return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
 
 
-def check_strategy(strategy, cp, layout="dual_chunk", stripe=1, case_list=None, unpacked_as_none=False):
+def check_strategy(strategy, shards, layout="dual_chunk", stripe=1, case_list=None, unpacked_as_none=False):
     """Compiles all cases once; runs them on packed segment ids and on unpacked rows (all ones, or None)."""
-    mesh, axis, layout_cp = mesh_for(strategy, cp)
+    mesh, axis, layout_shards = mesh_for(strategy, shards)
     case_list = case_list or cases()
     data = [inputs(heads, seed) for seed, (heads, _) in enumerate(case_list)]
     order = dict(layout=layout, stripe=stripe, axis=1)
-    to_layout = lambda x: None if x is None else to_balanced(x, layout_cp, **order)
+    to_layout = lambda x: None if x is None else to_balanced(x, layout_shards, **order)
 
     def run_all(data, seg):
         results = []
@@ -61,13 +61,13 @@ def check_strategy(strategy, cp, layout="dual_chunk", stripe=1, case_list=None, 
                     layout=layout,
                     stripe=stripe,
                 )
-                return from_balanced(out, layout_cp, **order)
+                return from_balanced(out, layout_shards, **order)
 
             out, vjp = jax.vjp(f, q, k, v)
             results.append((out, vjp(w)))
         return results
 
-    packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=cp))
+    packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=shards))
     unpacked = None if unpacked_as_none else jnp.ones((BATCH, LENGTH), jnp.int32)
     with jax.set_mesh(mesh), parallel.plans.use(parallel.plans.Plan(block_q=8, block_kv=8)):
         run = jax.jit(run_all)
@@ -76,7 +76,7 @@ def check_strategy(strategy, cp, layout="dual_chunk", stripe=1, case_list=None, 
         for (heads, causal), (q, k, v, w), (out, grads) in zip(case_list, data, results, strict=True):
             ref = lambda q, k, v: reference(q, k, v, segment_ids=seg, causal=causal)[0]
             ref_out, ref_vjp = jax.vjp(ref, q, k, v)
-            label = f"{strategy} cp={cp} {layout} {heads} causal={causal} packed={seg is packed}"
+            label = f"{strategy} shards={shards} {layout} {heads} causal={causal} packed={seg is packed}"
             assert relative_error(out, ref_out) < 2e-5, label
             for name, g, r in zip("qkv", grads, ref_vjp(w), strict=True):
                 assert not np.isnan(np.asarray(g)).any(), f"{label}: NaN in d{name}"
@@ -88,7 +88,7 @@ def check_strategy(strategy, cp, layout="dual_chunk", stripe=1, case_list=None, 
 # last step only, no scan; ulysses: KV heads not repeated; usp: a ulysses axis of 1; all_gather: the smallest
 # split). 4 devices take no path that these do not; the other layouts run at 4: test_other_layouts.
 @pytest.mark.parametrize(
-    "strategy, cp",
+    "strategy, shards",
     [
         ("none", 1),
         ("none", 8),
@@ -103,8 +103,8 @@ def check_strategy(strategy, cp, layout="dual_chunk", stripe=1, case_list=None, 
         ("usp", 8),
     ],
 )
-def test_strategy_matches_reference(strategy, cp):
-    check_strategy(strategy, cp)
+def test_strategy_matches_reference(strategy, shards):
+    check_strategy(strategy, shards)
 
 
 @pytest.mark.parametrize(

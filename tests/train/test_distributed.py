@@ -1,0 +1,112 @@
+"""Multi-process runs: cluster settings from flags and environment, each process's batch rows, and (slow) two
+processes x 4 CPU devices over gloo training exactly like one process with 8 devices."""
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from parallel.mesh import make_mesh, process_rows
+from train.config import ConfigError, MeshConfig
+from train.distributed import Cluster, resolve
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_flags_override_the_environment():
+    env = {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "3"}
+    assert resolve(None, None, None, env) == Cluster("h:1", 4, 3)
+    assert resolve("g:2", 2, 0, env) == Cluster("g:2", 2, 0)
+    assert resolve(None, None, None, {}) == Cluster()  # cluster auto-detection
+
+
+@pytest.mark.parametrize(
+    "flags, env, message",
+    [
+        ((None, 2, None), {}, r"not --coordinator \(or JAX_COORDINATOR_ADDRESS\), --process-id"),
+        (("h:1", 2, 2), {}, r"process_id=2 must be in \[0, num_processes=2\)"),
+        (("h", 2, 0), {}, "coordinator='h' must be host:port"),
+        ((None, None, None), {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES='two': num_processes must be"),
+    ],
+)
+def test_incomplete_or_bad_cluster_settings_are_named(flags, env, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(*flags, env)
+
+
+def test_one_process_holds_every_row():
+    mesh = make_mesh(MeshConfig(fsdp=4, context=2))
+    np.testing.assert_array_equal(process_rows(mesh, 8), np.arange(8))
+
+
+OVERRIDES = [
+    "model.embed_dim=64",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=32",
+    "model.mlp_dim=128",
+    "data.seq_len=64",
+    "data.max_documents=60",
+    "train.batch_size=8",
+    "train.steps=6",
+    "train.progress_bar=false",
+    "train.log_every_steps=1",
+    "train.eval_batches=2",
+    "train.eval_every_steps=3",
+    "train.sample_tokens=4",
+    "optimizer.warmup_steps=2",
+    "checkpoint.every_steps=2",
+]
+
+
+def _train(output: pathlib.Path, extra: list[str], processes: int) -> None:
+    """Runs `python -m train` as `processes` processes sharing 8 CPU devices; fails with their output."""
+    port = random.randint(20000, 40000)
+    args = ["configs/tiny.yaml", *OVERRIDES, *extra, f"train.output_dir={output}"]
+    cluster = ["--distributed", f"--coordinator=127.0.0.1:{port}", f"--num-processes={processes}"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO),
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
+    )
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "train", *([*cluster, f"--process-id={i}"] if processes > 1 else []), *args],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(processes)
+    ]
+    for run in runs:
+        out, _ = run.communicate(timeout=600)
+        assert run.returncode == 0, out[-3000:]
+
+
+def _losses(output: pathlib.Path) -> list[tuple[int, float, float | None]]:
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return [(row["step"], row["loss"], row.get("eval_loss")) for row in rows]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", [["mesh.fsdp=8"], ["mesh.context=8", "parallel.context_strategy=ring"]])
+def test_two_processes_train_like_one(tmp_path, mesh):
+    if jax.default_backend() != "cpu":
+        pytest.skip("runs CPU devices")
+    _train(tmp_path / "one", mesh, processes=1)
+    _train(tmp_path / "two", mesh, processes=2)
+    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+    assert [step for step, *_ in two] == list(range(1, 7))  # written once, by process 0
+    for (_, loss_one, eval_one), (_, loss_two, eval_two) in zip(one, two, strict=True):
+        assert loss_two == pytest.approx(loss_one, rel=1e-5)
+        assert (eval_two is None) == (eval_one is None)
+        assert eval_one is None or eval_two == pytest.approx(eval_one, rel=1e-5)
