@@ -1,6 +1,6 @@
 """Grain input pipeline: documents -> token ids -> packed rows of seq_len tokens -> numpy batches.
 
-    held-out split -> doc indices -> shuffle + repeat (train) -> shard by process -> tokenize -> (inputs, targets)
+    held-out split -> doc indices -> shuffle + repeat (train) -> tokenize -> (inputs, targets)
     -> pack (concat: split documents across rows | first_fit: cut to seq_len, pad rows)
     -> model fields -> batch -> thread prefetch
 
@@ -207,29 +207,24 @@ def build_dataset(
     *,
     batch_size: int,
     split: str = "train",
-    shard_index: int = 0,
-    shard_count: int = 1,
     num_epochs: int | None = None,
     source: Source | None = None,
 ) -> grain.IterDataset:
-    """Batches of this process's share of `split`, as described in the module docstring.
+    """Batches of `split`, as described in the module docstring.
 
-    batch_size is per process, in rows of cfg.seq_len tokens. Documents become [bos] + ids + [eos]
-    (bos/eos added when cfg.add_bos/add_eos and the tokenizer has one); those left with fewer than
-    two ids are skipped. Train documents are shuffled by cfg.seed when cfg.shuffle, each epoch in a
-    different deterministic order; eval keeps document order. num_epochs=None repeats forever; with
-    a finite count the last incomplete batch is dropped, so a small split can give no batch at all,
-    and processes can get different batch counts. Process `shard_index` of `shard_count` takes every
-    shard_count-th document of the (shuffled, repeated) stream. `source` (default: open_source(cfg))
-    lets the train and eval splits share one opened, indexed source. The eval split is held_out's:
+    batch_size is in rows of cfg.seq_len tokens: the whole batch (every process reads it all and keeps its
+    rows). Documents become [bos] + ids + [eos] (bos/eos added when cfg.add_bos/add_eos and the tokenizer has
+    one); those left with fewer than two ids are skipped. Train documents are shuffled by cfg.seed when
+    cfg.shuffle, each epoch in a different deterministic order; eval keeps document order. num_epochs=None
+    repeats forever; with a finite count the last incomplete batch is dropped, so a small split can give no
+    batch at all. `source` (default: open_source(cfg)) lets the train and eval splits share one opened, indexed
+    source. The eval split is held_out's:
     whole documents, or the tail of a single document.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not allowed; choose one of {', '.join(SPLITS)}")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be >= 1")
-    if not 0 <= shard_index < shard_count:
-        raise ValueError(f"shard_index={shard_index!r} must be in [0, shard_count={shard_count!r})")
     if num_epochs is not None and num_epochs < 1:
         raise ValueError(f"num_epochs={num_epochs!r} must be >= 1 or None (repeat forever)")
     if cfg.packing not in PACKINGS:
@@ -247,12 +242,7 @@ def build_dataset(
     if split == "train" and cfg.shuffle:
         # Grain reseeds epoch e with seed + e; a hashed seed keeps runs with seeds s and s+1 apart.
         docs = docs.shuffle(seed=int(np.random.SeedSequence(cfg.seed).generate_state(1)[0]))
-    docs = docs.repeat(num_epochs)[shard_index::shard_count]
-    if len(docs) == 0:
-        raise DataError(
-            f"shard_index={shard_index} of shard_count={shard_count} gets no documents from "
-            f"the {len(doc_indices)} documents of split={split!r}"
-        )
+    docs = docs.repeat(num_epochs)
     examples = docs.map(_Tokenize(source, tokenizer, cfg.add_bos, cfg.add_eos)).filter(_has_input)
 
     rows = pack(

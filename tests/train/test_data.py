@@ -251,14 +251,6 @@ def test_bad_packing_and_split_are_named(corpus):
         build_dataset(config(corpus), TOK, batch_size=1, split="eval")
 
 
-def test_shards_take_alternate_documents(corpus):
-    docs = documents(DOCS)
-    for shard in range(2):
-        dataset = build_dataset(config(corpus), TOK, batch_size=1, shard_index=shard, shard_count=2, num_epochs=1)
-        stream = np.concatenate([row["tokens"][row["segment_ids"] > 0] for row in rows(list(dataset))])
-        assert np.array_equal(stream, np.concatenate([inputs for inputs, _ in docs[shard::2]]))
-
-
 # ---------------------------------------------------------------- determinism and resume
 
 
