@@ -2,7 +2,7 @@
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or infinite; the run stops without saving the bad state."""
+    """The loss or the gradient norm became NaN or infinite; the run stops without saving the bad state."""
 
 
 class DataError(ValueError):

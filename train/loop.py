@@ -6,6 +6,7 @@ and continues bit-identically. SIGTERM / SIGINT save a checkpoint at the next st
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -24,6 +25,7 @@ from train.config import Config, ConfigError, to_dict
 from train.data import build_dataset
 from train.errors import NonFiniteLoss
 from train.flops import flops_per_token, peak_flops_per_device
+from train.lock import run_directory_lock
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule, make_optimizer
 from train.sample import generate
@@ -50,20 +52,27 @@ class Stop:
             signal.signal(sig, handler)
 
 
+# what a resumed run must keep: the architecture, and what the data position in a checkpoint means
+RESUME_KEEPS = {"model": None, "data": None, "train": ("batch_size",)}  # None: the whole section
+
+
 def check_run_directory(output: pathlib.Path, config: Config) -> None:
-    """A run directory belongs to one model: resuming with another architecture is refused, not overwritten
-    (how it computes, the `compute` section, may change)."""
+    """A run directory belongs to one model and one data stream: resuming with another architecture, data
+    settings or batch size is refused, not overwritten (how it computes, e.g. `compute` or `mesh`, may change)."""
     saved = output / "config.yaml"
-    if saved.exists():
-        previous = yaml.safe_load(saved.read_text()).get("model")
-        current = to_dict(config)["model"]
-        changed = sorted(k for k in current if previous is None or previous.get(k) != current[k])
-        if changed:
-            raise ConfigError(
-                f"train.output_dir={str(output)!r} holds a run of a different model (model.{changed[0]}"
-                f" was {None if previous is None else previous.get(changed[0])!r}, now "
-                f"{current[changed[0]]!r}); choose a new train.output_dir"
-            )
+    if not saved.exists():
+        return
+    previous, current = yaml.safe_load(saved.read_text()) or {}, to_dict(config)
+    for section, keys in RESUME_KEEPS.items():
+        before, now = previous.get(section) or {}, current[section]
+        for key in sorted(now if keys is None else keys):
+            if before.get(key) != now[key]:
+                raise ConfigError(
+                    f"train.output_dir={str(output)!r} holds a run with {section}.{key}={before.get(key)!r}, now "
+                    f"{now[key]!r}: a resumed run keeps its model, data and batch size. To go on from it with "
+                    f"the new setting, start a new train.output_dir with checkpoint.init_from={str(output)!r}"
+                    f"/checkpoints"
+                )
 
 
 def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:
@@ -98,9 +107,15 @@ def run(config: Config) -> dict:
     check_run_directory(output, config)
     output.mkdir(parents=True, exist_ok=True)
     main_process = jax.process_index() == 0
-    if main_process:
-        (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    with run_directory_lock(output) if main_process else contextlib.nullcontext():
+        if main_process:
+            (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        return _train(config, datasets, mesh, plan, tokenizer, main_process)
 
+
+def _train(config: Config, datasets: dict, mesh, plan, tokenizer, main_process: bool) -> dict:
+    """Builds or restores the state, then runs the step loop (the run directory is checked and locked)."""
+    t, output = config.train, pathlib.Path(config.train.output_dir)
     train_iter = iter(datasets["train"])
     tx = make_optimizer(config.optimizer, t.steps)
     graphdef, abstract, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
@@ -173,15 +188,16 @@ def _loop(
         return step == t.steps or (bool(t.eval_every_steps) and step % t.eval_every_steps == 0)
 
     def record(step: int, metrics: dict, eval_state=None) -> None:
-        """Checks the loss is finite; at log steps writes metrics (with eval_loss when eval_state is given)."""
+        """Checks the loss and the gradient norm are finite (a non-finite gradient has poisoned the update, which is
+        then never saved); at log steps writes metrics (with eval_loss when eval_state is given)."""
         nonlocal last
         values = {key: float(value) for key, value in jax.device_get(metrics).items()}
-        if not math.isfinite(values["loss"]):
+        if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
             if checkpoints:
                 checkpoints.wait()
             kept = checkpoints.manager.latest_step() if checkpoints else None
             raise NonFiniteLoss(
-                f"loss is {values['loss']} at step {step} (grad_norm {values['grad_norm']}); "
+                f"not finite at step {step}: loss {values['loss']}, grad_norm {values['grad_norm']}; "
                 f"stopped without saving this state. Last good checkpoint: "
                 f"{'none' if kept is None else f'step {kept}'} in {output / 'checkpoints'}. "
                 f"Try a lower optimizer.learning_rate or optimizer.clip_norm > 0."

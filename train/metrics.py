@@ -4,6 +4,7 @@ files, and a live progress bar (rich) or plain lines when the output is not a te
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import sys
 
@@ -52,8 +53,8 @@ class MetricsLogger:
         """Records `values` (floats) for `step` everywhere, flushing metrics.jsonl at once."""
         if not self.enabled:
             return
-        record = {"step": step, **values}
-        self.file.write(json.dumps(record) + "\n")
+        record = {"step": step, **{key: value if math.isfinite(value) else None for key, value in values.items()}}
+        self.file.write(json.dumps(record, allow_nan=False) + "\n")  # strict JSON: non-finite values as null
         self.file.flush()
         for key, value in values.items():
             self.tensorboard.add_scalar(key, value, step)

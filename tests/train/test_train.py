@@ -4,6 +4,7 @@ checkpoint; bad input stops with a clear error before anything is lost."""
 import contextlib
 import io
 import json
+import os
 import pathlib
 import re
 
@@ -12,6 +13,7 @@ import pytest
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, load_config
 from train.errors import NonFiniteLoss
+from train.lock import run_directory_lock
 from train.loop import run
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -111,14 +113,32 @@ def test_empty_corpus(tmp_path):
         run(config(tmp_path / "out", f"data.source={corpus}"))
 
 
+def test_a_second_run_on_the_same_output_dir_is_refused(tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    with (
+        run_directory_lock(tmp_path),
+        pytest.raises(ConfigError, match=rf"is in use by another run \(process {os.getpid()}\)"),
+    ):
+        run(config(tmp_path))
+    with run_directory_lock(tmp_path):  # released when the holder is done (or killed: the OS drops it)
+        pass
+
+
 def test_tokenizer_larger_than_model_vocab(tmp_path):
     with pytest.raises(ConfigError, match=r"259 tokens but model.vocab_size=128"):
         run(config(tmp_path, "model.vocab_size=128"))
 
 
 def test_resuming_with_another_model_is_refused(trained):
-    with pytest.raises(ConfigError, match=re.escape("model.embed_dim was 64, now 128")):
+    with pytest.raises(ConfigError, match=re.escape("model.embed_dim=64, now 128")):
         run(config(trained, "model.embed_dim=128"))
+
+
+@pytest.mark.parametrize("change", ["data.seq_len=128", "train.batch_size=16"])
+def test_resuming_with_another_data_shape_is_refused(trained, change):
+    key, value = change.split("=")
+    with pytest.raises(ConfigError, match=rf"{re.escape(key)}=\d+, now {value}: a resumed run keeps"):
+        run(config(trained, change))
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -134,9 +154,9 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
                 "train.eval_batches=0",
             )
         )
-    match = re.match(r"loss is (nan|inf|-inf) at step (\d+) .* Last good checkpoint: step (\d+) ", str(info.value))
-    assert match and int(match[3]) == int(match[2]) - 1 >= 1, str(info.value)
+    match = re.match(r"not finite at step (\d+): loss .* Last good checkpoint: step (\d+) ", str(info.value))
+    assert match and int(match[2]) == int(match[1]) - 1 >= 1, str(info.value)
     assert "optimizer.learning_rate" in str(info.value)
     checkpoints = Checkpointer(tmp_path / "checkpoints", keep=3)
-    assert checkpoints.manager.latest_step() == int(match[3])
+    assert checkpoints.manager.latest_step() == int(match[2])
     checkpoints.close()
