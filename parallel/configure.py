@@ -7,6 +7,7 @@ and mesh axis sizes (context, ulysses, tensor).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import numpy as np
@@ -25,6 +26,20 @@ def _require(ok: bool, message: str) -> None:
 def layout_for(parallel, context: int) -> str:
     """The sequence layout: the balanced one when load balancing over more than one context device."""
     return parallel.balance_layout if parallel.load_balance and context > 1 else "contiguous"
+
+
+def check_tensor(tensor: int, dims: Mapping[str, int]) -> None:
+    """Raises MeshError when mesh axis size `tensor` does not divide one of the `dims` that tensor parallelism
+    splits (key -> size, e.g. {"model.num_heads": 4}); the message lists the sizes that divide them all."""
+    for key, size in dims.items():
+        if size % tensor:
+            common = math.gcd(*dims.values())
+            allowed = [str(n) for n in range(1, common + 1) if common % n == 0]
+            raise MeshError(
+                f"{key}={size} must be divisible by mesh.tensor={tensor}, over which tensor parallelism splits "
+                f"it; choose a mesh.tensor that divides {', '.join(f'{k}={v}' for k, v in dims.items())}: "
+                f"{', '.join(allowed)} (mesh.tensor=-1 takes the devices the other mesh axes leave: set it, or them)"
+            )
 
 
 def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads: int) -> None:

@@ -16,7 +16,7 @@ from models.remat import RematError, check_policy
 from parallel.mesh import AXES, MeshError
 from train import distributed
 from train.config import ConfigError, load_config
-from train.errors import DataError, NonFiniteLoss
+from train.errors import CheckpointError, DataError, NonFiniteLoss
 from train.memory import format_plan, parse_size, plan_memory
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
         from train.loop import run
 
         run(config)
-    except (ConfigError, MeshError, RematError, DataError, FileNotFoundError) as error:
+    except (ConfigError, MeshError, RematError, DataError, CheckpointError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except NonFiniteLoss as error:

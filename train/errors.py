@@ -7,3 +7,7 @@ class NonFiniteLoss(RuntimeError):
 
 class DataError(ValueError):
     """The configured data cannot be read or holds no documents (names the file or setting and what is wrong)."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used: none can be read, or it holds another structure than the run (names which)."""

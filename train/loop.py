@@ -18,10 +18,10 @@ import jax
 import numpy as np
 import yaml
 
-from parallel.configure import check_context, make_plan, to_layout
-from parallel.mesh import batch_sharding, check_batch, make_mesh, process_rows
-from train.checkpoint import Checkpointer, restore_model_params
-from train.config import Config, ConfigError, to_dict
+from parallel.configure import make_plan, to_layout
+from parallel.mesh import batch_sharding, make_mesh, process_rows
+from train.checkpoint import Checkpointer, has_checkpoints, restore_model_params
+from train.config import Config, ConfigError, check_built_mesh, to_dict
 from train.data import build_dataset
 from train.errors import NonFiniteLoss
 from train.flops import flops_per_token, peak_flops_per_device
@@ -101,52 +101,57 @@ def run(config: Config) -> dict:
         for split in (("train", "eval") if t.eval_batches else ("train",))
     }
     mesh = make_mesh(config.mesh)
-    check_batch(t.batch_size, t.grad_accum_steps, mesh)
-    check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
+    check_built_mesh(config, mesh)
     plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
     check_run_directory(output, config)
+    tx = make_optimizer(config.optimizer, t.steps)
+    _, abstract, _ = abstract_state(config.model, tx, mesh, compute=config.compute)
+    resuming = config.checkpoint.enabled and has_checkpoints(output / "checkpoints")
+    # seeding parameters is the last check that can fail on the configuration: before the run directory is made
+    seed = (
+        restore_model_params(config.checkpoint.init_from, abstract[0])
+        if config.checkpoint.init_from and not resuming
+        else None
+    )
     output.mkdir(parents=True, exist_ok=True)
     main_process = jax.process_index() == 0
     with run_directory_lock(output) if main_process else contextlib.nullcontext():
-        if main_process:
-            (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-        return _train(config, datasets, mesh, plan, tokenizer, main_process)
-
-
-def _train(config: Config, datasets: dict, mesh, plan, tokenizer, main_process: bool) -> dict:
-    """Builds or restores the state, then runs the step loop (the run directory is checked and locked)."""
-    t, output = config.train, pathlib.Path(config.train.output_dir)
-    train_iter = iter(datasets["train"])
-    tx = make_optimizer(config.optimizer, t.steps)
-    graphdef, abstract, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
-    checkpoints = (
-        Checkpointer(output / "checkpoints", keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
-        if config.checkpoint.enabled
-        else None
-    )
-    restored = checkpoints.restore_latest(abstract, train_iter) if checkpoints else None
-    if restored:
-        start, state = restored
-        train_state = TrainState(graphdef, state, shardings)
-        log.info("resumed from step %d", start)
-    else:
-        start, train_state = 0, create_state(config.model, tx, mesh, t.seed, compute=config.compute)
-        if config.checkpoint.init_from:
-            params = restore_model_params(config.checkpoint.init_from, abstract[0])
-            train_state.state[0] = params
-    with jax.set_mesh(mesh):
-        return _loop(
-            config,
-            train_state,
-            mesh,
-            plan,
-            train_iter,
-            datasets.get("eval"),
-            checkpoints,
-            start,
-            tokenizer,
-            main_process,
+        checkpoints = (
+            Checkpointer(output / "checkpoints", keep=config.checkpoint.keep, async_save=config.checkpoint.async_save)
+            if config.checkpoint.enabled
+            else None
         )
+        train_iter = iter(datasets["train"])
+        start, train_state = _initial_state(config, checkpoints, train_iter, tx, mesh, seed)
+        if main_process:  # once the state fits the run: a refused resume leaves the directory as it was
+            (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        with jax.set_mesh(mesh):
+            return _loop(
+                config,
+                train_state,
+                mesh,
+                plan,
+                train_iter,
+                datasets.get("eval"),
+                checkpoints,
+                start,
+                tokenizer,
+                main_process,
+            )
+
+
+def _initial_state(config: Config, checkpoints, train_iter, tx, mesh, seed) -> tuple[int, TrainState]:
+    """(step, state) of the newest checkpoint (the iterator restored with it), else fresh parameters at step 0
+    (replaced by `seed`, checkpoint.init_from's parameters, when given)."""
+    graphdef, abstract, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
+    restored = checkpoints.restore_latest(abstract, train_iter, to_dict(config)) if checkpoints else None
+    if restored:
+        log.info("resumed from step %d", restored[0])
+        return restored[0], TrainState(graphdef, restored[1], shardings)
+    train_state = create_state(config.model, tx, mesh, config.train.seed, compute=config.compute)
+    if seed is not None:
+        train_state.state[0] = seed
+    return 0, train_state
 
 
 def _loop(
@@ -248,10 +253,13 @@ def _loop(
     finally:
         train_iter.close()
         stop.restore()
-        if checkpoints:
-            checkpoints.wait()
-            checkpoints.close()
-        logger.close()
+        try:
+            if checkpoints:
+                checkpoints.wait()  # raises CheckpointError when the last save failed
+        finally:
+            if checkpoints:
+                checkpoints.close()
+            logger.close()
     if stopped:
         raise SystemExit(128 + stop.signal)
     if t.sample_tokens and start < t.steps:  # every process: each generation step is a global program

@@ -19,9 +19,9 @@ import numpy as np
 from flax import nnx
 
 from models.remat import check_policy
-from parallel.configure import check_context, make_plan
-from parallel.mesh import batch_sharding, check_batch, make_mesh
-from train.config import Config
+from parallel.configure import make_plan
+from parallel.mesh import batch_sharding, make_mesh
+from train.config import Config, check_built_mesh
 from train.data import BATCH_FIELDS
 from train.optimizer import make_optimizer
 from train.state import TrainState, abstract_state
@@ -123,8 +123,7 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     the ragged expert dispatch is planned as the capacity dispatch, whose buffers have the same size)."""
     config = for_accelerator(config)
     mesh = make_mesh(config.mesh, devices)
-    check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
-    check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
+    check_built_mesh(config, mesh)
     platform = mesh.devices.flat[0].platform
     check_policy(config.compute.remat_policy, platform)
     parallel_config = config.parallel

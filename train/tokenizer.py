@@ -12,6 +12,8 @@ from collections.abc import Iterable
 
 import tokenizers
 
+from train.errors import DataError
+
 BOS_TOKENS = ("<|begin_of_text|>", "<s>", "<bos>", "<｜begin▁of▁sentence｜>")
 EOS_TOKENS = ("<|end_of_text|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>", "<|endoftext|>")
 PAD_TOKENS = ("<pad>", "<|pad|>", "[PAD]", "<|padding|>", "<|finetune_right_pad_id|>")
@@ -51,7 +53,7 @@ class ByteTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
-    """A Hugging Face `tokenizers` tokenizer loaded from a `tokenizer.json` file.
+    """A Hugging Face `tokenizers` tokenizer loaded from a `tokenizer.json` file (DataError if it is not one).
 
     bos/eos are the first of BOS_TOKENS/EOS_TOKENS present in the vocabulary (None if none is);
     pad is the first of PAD_TOKENS present, else eos, else 0 (padding is masked out anyway).
@@ -59,7 +61,13 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, path: str | pathlib.Path):
         self.path = str(path)
-        self._tokenizer = tokenizers.Tokenizer.from_file(self.path)
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(self.path)
+        except Exception as error:  # noqa: BLE001 - the Rust library raises a bare Exception for any bad file
+            raise DataError(
+                f"data.tokenizer: {self.path} is not a Hugging Face tokenizer.json (tokenizers cannot read it: "
+                f'{error}); data.tokenizer accepts "byte" or a path to a tokenizer.json (or a folder containing one)'
+            ) from None
         self.vocab_size = self._tokenizer.get_vocab_size(with_added_tokens=True)
         self.bos_id = self._find(BOS_TOKENS)
         self.eos_id = self._find(EOS_TOKENS)

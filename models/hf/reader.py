@@ -31,16 +31,37 @@ DTYPES = {
 }
 
 
+class SafetensorsError(ValueError):
+    """A .safetensors file cannot be read: it is truncated or not in the safetensors format (names the file)."""
+
+
 class SafetensorsFile:
-    """The header of one .safetensors file; `get(name)` reads one tensor."""
+    """The header of one .safetensors file; `get(name)` reads one tensor. Opening checks that the file holds
+    every byte its header lists (SafetensorsError if not)."""
 
     def __init__(self, path: str | pathlib.Path):
         self.path = pathlib.Path(path)
+        file_bytes = self.path.stat().st_size
+        not_safetensors = f"{self.path} is truncated or not a safetensors file"
         with open(self.path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
-            self.header = json.loads(f.read(size))
-        self.header.pop("__metadata__", None)
-        self.data_start = 8 + size
+            self.data_start = 8 + size
+            if self.data_start > file_bytes:
+                raise SafetensorsError(
+                    f"{not_safetensors}: its header needs {self.data_start} bytes but the file holds {file_bytes}"
+                )
+            try:
+                self.header = json.loads(f.read(size))
+                self.header.pop("__metadata__", None)
+                ends = [entry["data_offsets"][1] for entry in self.header.values()]
+            except (ValueError, AttributeError, KeyError, IndexError, TypeError):  # not JSON, or not this layout
+                raise SafetensorsError(f"{not_safetensors}: its header is not a safetensors header") from None
+        data_end = self.data_start + max(ends, default=0)
+        if data_end > file_bytes:
+            raise SafetensorsError(
+                f"{self.path} is truncated: its tensors end at byte {data_end} but the file holds {file_bytes} "
+                f"bytes; copy or download it again"
+            )
 
     def keys(self) -> list[str]:
         return list(self.header)

@@ -133,6 +133,6 @@ def test_corrupt_newest_and_leftover_partial_checkpoints_are_skipped(reference, 
     shutil.copytree(checkpoints / "4", partial)
     shutil.rmtree(partial / "optimizer")
     err = finish(tmp_path)
-    assert err.count("cannot be restored") == 1 and "6.corrupt" in err
+    assert err.count("cannot be read") == 1 and "6.corrupt" in err
     assert (checkpoints / "6.corrupt").is_dir() and not partial.exists()
     assert losses(tmp_path) == reference

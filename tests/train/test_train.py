@@ -7,12 +7,15 @@ import json
 import os
 import pathlib
 import re
+import shutil
 
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, load_config
-from train.errors import NonFiniteLoss
+from train.errors import CheckpointError, NonFiniteLoss
 from train.lock import run_directory_lock
 from train.loop import run
 
@@ -160,3 +163,69 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     checkpoints = Checkpointer(tmp_path / "checkpoints", keep=3)
     assert checkpoints.manager.latest_step() == int(match[2])
     checkpoints.close()
+
+
+def copy_run(trained, tmp_path) -> pathlib.Path:
+    """A copy of the shared run for a test that changes it."""
+    return pathlib.Path(shutil.copytree(trained, tmp_path / "run", ignore=shutil.ignore_patterns(".lock")))
+
+
+def steps_kept(output) -> list[str]:
+    return sorted(path.name for path in (output / "checkpoints").iterdir())
+
+
+def test_resuming_with_another_optimizer_structure_is_refused_not_set_aside(trained, tmp_path):
+    output = copy_run(trained, tmp_path)
+    before = {name: (output / name).read_text() for name in ("metrics.jsonl", "config.yaml")}
+    with pytest.raises(
+        CheckpointError, match=r"optimizer state: .*Changed since it was saved: optimizer.clip_norm: 1.0"
+    ):
+        run(config(output, "train.steps=41", "optimizer.clip_norm=0"))
+    assert steps_kept(output) == ["20", "40"]
+    assert {name: (output / name).read_text() for name in before} == before
+
+
+def garble(item: pathlib.Path) -> None:
+    for path in item.rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+
+
+def test_unreadable_checkpoints_are_set_aside_and_never_started_over(trained, tmp_path):
+    output = copy_run(trained, tmp_path)
+    checkpoints = output / "checkpoints"
+    shutil.copytree(checkpoints / "20", checkpoints / "40.corrupt")  # set aside by an earlier run
+    garble(checkpoints / "40" / "model")
+    run(config(output, "train.steps=20"))  # resumes from 20, the last step: nothing to train
+    assert steps_kept(output) == ["20", "40.corrupt", "40.corrupt.1"]
+    garble(checkpoints / "20" / "optimizer")
+    for _ in range(2):  # set aside, then refused again rather than trained from step 0 over the old run
+        with pytest.raises(CheckpointError, match=r"can be read \(set aside: 20.corrupt, 40.corrupt, 40.corrupt.1\)"):
+            run(config(output, "train.steps=20"))
+    assert not (checkpoints / "20").exists()
+
+
+def test_init_from_another_architecture_or_a_damaged_checkpoint_makes_no_run_directory(trained, tmp_path):
+    with pytest.raises(
+        CheckpointError, match=r"do not fit the configured model: .*has shape \(\d+, 64\) there, \(\d+, 128\)"
+    ):
+        run(config(tmp_path / "new", f"checkpoint.init_from={trained / 'checkpoints'}", "model.embed_dim=128"))
+    damaged = pathlib.Path(shutil.copytree(trained / "checkpoints" / "40" / "model", tmp_path / "damaged" / "model"))
+    largest = max((path for path in damaged.rglob("*") if path.is_file()), key=lambda path: path.stat().st_size)
+    os.truncate(largest, largest.stat().st_size // 2)
+    with pytest.raises(CheckpointError, match="truncated or damaged"):
+        run(config(tmp_path / "new", f"checkpoint.init_from={damaged.parent}"))
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_full_disk_stops_before_saving_and_keeps_the_checkpoints(trained, tmp_path, monkeypatch):
+    output = copy_run(trained, tmp_path)
+    monkeypatch.setattr("train.checkpoint.shutil.disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000))
+    checkpoints = Checkpointer(output / "checkpoints", keep=1)
+    state = (nnx.State({"w": nnx.Param(jnp.zeros(1000))}), nnx.State({}))
+    with pytest.raises(
+        CheckpointError, match=r"step 41 needs about 3.91 KiB .* has 1000 B free; .* intact \(steps \[20, 40\]\)"
+    ):
+        checkpoints.save(41, state, data_iterator=None, meta={})
+    checkpoints.close()
+    assert steps_kept(output) == ["20", "40"]

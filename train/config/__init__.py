@@ -12,7 +12,7 @@ from train.config.schema import (
     ParallelConfig,
     TrainConfig,
 )
-from train.config.validate import CHOICES, get, validate
+from train.config.validate import CHOICES, check_built_mesh, get, validate
 
 __all__ = [
     "CHOICES",
@@ -27,6 +27,7 @@ __all__ = [
     "ParallelConfig",
     "RopeScalingConfig",
     "TrainConfig",
+    "check_built_mesh",
     "from_dict",
     "get",
     "load_config",

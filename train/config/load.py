@@ -25,15 +25,41 @@ def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
         raise ConfigError(f"config {path}: `base:` cycle through {[str(p) for p in seen]}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = _parse_yaml(path.read_text(), f"config {path}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path}: top level must be a mapping, got {type(raw).__name__}")
-    bases = raw.pop("base", [])
     merged: dict = {}
-    for base in [bases] if isinstance(bases, str) else bases:
+    for base in _base_paths(raw.pop("base", []), path):
         _merge(merged, _read_yaml(path.parent / base, (*seen, path)))
     _merge(merged, raw)
     return merged
+
+
+def _parse_yaml(text: str, where: str) -> typing.Any:
+    """`text` read as YAML; a syntax error raises ConfigError naming `where` and the line and column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        problem = getattr(error, "problem", None)
+        if problem is None:  # an error without a position, e.g. a control character in the text
+            raise ConfigError(f"{where} is not valid YAML: {' '.join(str(error).split())}") from None
+        context, start, mark = "", error.context_mark, error.problem_mark
+        if error.context and start:
+            context = f" ({error.context} from line {start.line + 1}, column {start.column + 1})"
+        raise ConfigError(
+            f"{where} is not valid YAML: line {mark.line + 1}, column {mark.column + 1}: {problem}{context}"
+        ) from None
+
+
+def _base_paths(bases: typing.Any, path: pathlib.Path) -> list[str]:
+    """The `base:` value of config `path` as a list of paths; ConfigError when it is not a path or a list of them."""
+    paths = [bases] if isinstance(bases, str) else bases
+    if not isinstance(paths, list) or not all(isinstance(base, str) for base in paths):
+        raise ConfigError(
+            f"config {path}: base={bases!r} is not allowed; base: is a file path or a list of file paths "
+            f"(relative to {path.parent})"
+        )
+    return paths
 
 
 def _merge(into: dict, new: dict) -> None:
@@ -49,7 +75,7 @@ def parse_override(text: str) -> tuple[list[str], typing.Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, value = text.split("=", 1)
-    return key.strip().split("."), yaml.safe_load(value) if value else ""
+    return key.strip().split("."), _parse_yaml(value, f"override {text!r}") if value else ""
 
 
 def load_config(path: str | pathlib.Path | None, overrides: typing.Sequence[str] = ()) -> Config:

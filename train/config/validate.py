@@ -7,14 +7,16 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
+from jax.sharding import Mesh
+
 import models
 from layers.moe import ROUTER_SCORES
 from layers.rope import SCALINGS
 from models.config import ConfigError, check_model, require
 from models.dtypes import COMPUTE_DTYPES, PARAM_DTYPES
 from models.remat import POLICIES
-from parallel.configure import EXPERT_DISPATCHES, check_context
-from parallel.mesh import MeshError
+from parallel.configure import EXPERT_DISPATCHES, check_context, check_tensor
+from parallel.mesh import MeshError, check_batch
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
 from train.config.schema import Config, MeshConfig
@@ -106,6 +108,20 @@ def validate(config: Config) -> None:
     )
 
 
+def tensor_split_dims(config: Config) -> dict[str, int]:
+    """The model sizes tensor parallelism splits (key -> size): mesh.tensor must divide each."""
+    keys = ("model.num_heads", "model.mlp_dim") + (("model.moe_mlp_dim",) if config.model.num_experts else ())
+    return {key: get(config, key) for key in keys}
+
+
+def check_built_mesh(config: Config, mesh: Mesh) -> None:
+    """Raises MeshError when the batch, the sequence or the model does not divide the built mesh (its -1 axis
+    resolved): the checks `validate` leaves for when the device count is known."""
+    check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
+    check_tensor(mesh.shape["tensor"], tensor_split_dims(config))
+    check_context(config.parallel, mesh.shape, seq_len=config.data.seq_len, num_heads=config.model.num_heads)
+
+
 def _check_mesh(config: Config) -> None:
     """Mesh sizes, and what the model and sequence must divide by them (when known before the mesh is built)."""
     m, mesh = config.model, config.mesh
@@ -115,11 +131,10 @@ def _check_mesh(config: Config) -> None:
     fills = [name for name, size in sizes.items() if size == -1]
     require(len(fills) <= 1, f"only one mesh axis may be -1, got {', '.join('mesh.' + f for f in fills)}")
     if mesh.tensor > 1:
-        for key in ("model.num_heads", "model.mlp_dim") + (("model.moe_mlp_dim",) if m.num_experts else ()):
-            require(
-                get(config, key) % mesh.tensor == 0,
-                f"{key}={get(config, key)} must be divisible by mesh.tensor={mesh.tensor}",
-            )
+        try:
+            check_tensor(mesh.tensor, tensor_split_dims(config))
+        except MeshError as error:
+            raise ConfigError(str(error)) from None
     if m.num_experts and mesh.expert > 1:
         require(
             m.num_experts % mesh.expert == 0,
