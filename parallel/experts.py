@@ -50,8 +50,9 @@ def expert_axes(mesh, num_experts: int) -> tuple[str, ...]:
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
-    """Rows per (source device, expert) of the capacity dispatch: ceil(factor x tokens x k / experts)."""
-    return max(1, math.ceil(factor * tokens * k / num_experts))
+    """Rows per (source device, expert) of the capacity dispatch: ceil(factor x tokens x k / experts), at most
+    `tokens` (a token picks an expert once): factor = inf never drops a token."""
+    return max(1, tokens if math.isinf(factor) else min(tokens, math.ceil(factor * tokens * k / num_experts)))
 
 
 def receive_rows(tokens: int, k: int, factor: float) -> int:

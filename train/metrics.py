@@ -14,10 +14,14 @@ from tensorboardX import SummaryWriter
 
 
 def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
-    """Drops lines logged after `last_step` (a resumed run logs those steps again)."""
+    """Drops lines logged after `last_step` (a resumed run logs those steps again), and a last line cut short
+    when a crash interrupted its write."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if lines and not lines[-1].endswith("}"):
+        lines.pop()
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
     path.write_text("".join(line + "\n" for line in kept))
 
 

@@ -1,22 +1,22 @@
 """Multi-process runs: cluster settings from flags and environment, each process's batch rows, and (slow) two
-processes x 4 CPU devices over gloo training exactly like one process with 8 devices."""
+processes x 4 CPU devices over gloo, killed (-9, both) after a checkpoint and restarted, training exactly like one
+process with 8 devices."""
 
-import json
 import os
 import pathlib
 import random
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
 import pytest
 
 from parallel.mesh import make_mesh, process_rows
+from tests.train.tiny_run import REPO, SMALL, TINY, records
 from train.config import ConfigError, MeshConfig
 from train.distributed import Cluster, resolve
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_flags_override_the_environment():
@@ -46,18 +46,8 @@ def test_one_process_holds_every_row():
 
 
 OVERRIDES = [
-    "model.embed_dim=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=32",
-    "model.mlp_dim=128",
-    "data.seq_len=64",
-    "data.max_documents=60",
-    "train.batch_size=8",
+    *SMALL,
     "train.steps=6",
-    "train.progress_bar=false",
-    "train.log_every_steps=1",
     "train.eval_batches=2",
     "train.eval_every_steps=3",
     "train.sample_tokens=4",
@@ -66,17 +56,17 @@ OVERRIDES = [
 ]
 
 
-def _train(output: pathlib.Path, extra: list[str], processes: int) -> None:
-    """Runs `python -m train` as `processes` processes sharing 8 CPU devices; fails with their output."""
+def _start(output: pathlib.Path, extra: list[str], processes: int) -> list[subprocess.Popen]:
+    """Starts `python -m train` as `processes` processes sharing 8 CPU devices."""
     port = random.randint(20000, 40000)
-    args = ["configs/tiny.yaml", *OVERRIDES, *extra, f"train.output_dir={output}"]
+    args = [str(TINY), *OVERRIDES, *extra, f"train.output_dir={output}"]
     cluster = ["--distributed", f"--coordinator=127.0.0.1:{port}", f"--num-processes={processes}"]
     env = dict(
         os.environ,
         PYTHONPATH=str(REPO),
         XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes}",
     )
-    runs = [
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "train", *([*cluster, f"--process-id={i}"] if processes > 1 else []), *args],
             cwd=REPO,
@@ -87,25 +77,45 @@ def _train(output: pathlib.Path, extra: list[str], processes: int) -> None:
         )
         for i in range(processes)
     ]
+
+
+def _finish(runs: list[subprocess.Popen]) -> None:
+    """Waits for every process; fails with the output of one that did not succeed."""
     for run in runs:
         out, _ = run.communicate(timeout=600)
         assert run.returncode == 0, out[-3000:]
 
 
+def _kill_when(condition, runs: list[subprocess.Popen], timeout: float = 300) -> None:
+    """SIGKILLs every process once `condition()` holds (all still running)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        for run in runs:
+            assert run.poll() is None, f"a process ended before it was killed: {run.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+    for run in runs:
+        run.kill()
+        run.communicate()
+
+
 def _losses(output: pathlib.Path) -> list[tuple[int, float, float | None]]:
-    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    rows = records(output)
     return [(row["step"], row["loss"], row.get("eval_loss")) for row in rows]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", [["mesh.fsdp=8"], ["mesh.context=8", "parallel.context_strategy=ring"]])
-def test_two_processes_train_like_one(tmp_path, mesh):
+def test_two_processes_killed_and_restarted_train_like_one(tmp_path, mesh):
     if jax.default_backend() != "cpu":
         pytest.skip("runs CPU devices")
-    _train(tmp_path / "one", mesh, processes=1)
-    _train(tmp_path / "two", mesh, processes=2)
-    one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
-    assert [step for step, *_ in two] == list(range(1, 7))  # written once, by process 0
+    _finish(_start(tmp_path / "one", mesh, processes=1))
+    output = tmp_path / "two"
+    checkpointed = lambda: (output / "checkpoints" / "2").is_dir() and len(records(output)) >= 3
+    _kill_when(checkpointed, _start(output, mesh, processes=2))
+    _finish(_start(output, mesh, processes=2))  # resumes from step 2 or later
+    one, two = _losses(tmp_path / "one"), _losses(output)
+    assert [step for step, *_ in two] == list(range(1, 7))  # each written once, by process 0
     for (_, loss_one, eval_one), (_, loss_two, eval_two) in zip(one, two, strict=True):
         assert loss_two == pytest.approx(loss_one, rel=1e-5)
         assert (eval_two is None) == (eval_one is None)

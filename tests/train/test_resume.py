@@ -1,10 +1,10 @@
 """Exact resume: a run interrupted (SIGTERM; SIGKILL mid-checkpoint; a corrupt newest checkpoint beside a leftover
-partial one) and restarted with the same command logs the same per-step losses, bit for bit, as an uninterrupted
-run."""
+partial one; slow: SIGKILL at ten random moments) and restarted with the same command logs the same per-step
+losses, bit for bit, as an uninterrupted run."""
 
-import json
 import os
 import pathlib
+import random
 import shutil
 import signal
 import subprocess
@@ -13,22 +13,14 @@ import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from tests.train.tiny_run import REPO, SMALL, TINY, records
+from train.metrics import truncate_jsonl
+
 STEPS = 8
 OVERRIDES = [
-    "model.embed_dim=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=32",
-    "model.mlp_dim=128",
+    *SMALL,
     "compute.remat_policy=none",
-    "data.seq_len=64",
-    "data.max_documents=60",
-    "train.batch_size=8",
-    "train.progress_bar=false",
     "train.sample_tokens=0",
-    "train.log_every_steps=1",
     "train.eval_batches=0",
     "optimizer.warmup_steps=2",
     f"optimizer.decay_steps={STEPS}",
@@ -43,7 +35,7 @@ def command(output: pathlib.Path, steps: int = STEPS) -> list[str]:
         sys.executable,
         "-m",
         "train",
-        "configs/tiny.yaml",
+        str(TINY),
         *OVERRIDES,
         f"train.steps={steps}",
         f"train.output_dir={output}",
@@ -65,10 +57,10 @@ def finish(output, steps=STEPS) -> str:
 
 
 def losses(output: pathlib.Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    steps = [r["step"] for r in records]
+    rows = records(output)
+    steps = [r["step"] for r in rows]
     assert steps == sorted(set(steps)), f"steps logged twice or out of order: {steps}"
-    return {r["step"]: r["loss"] for r in records}
+    return {r["step"]: r["loss"] for r in rows}
 
 
 def logged_steps(output: pathlib.Path) -> int:
@@ -136,3 +128,35 @@ def test_corrupt_newest_and_leftover_partial_checkpoints_are_skipped(reference, 
     assert err.count("cannot be read") == 1 and "6.corrupt" in err
     assert (checkpoints / "6.corrupt").is_dir() and not partial.exists()
     assert losses(tmp_path) == reference
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_loses_nothing(reference, tmp_path):
+    """Ten kills (-9) at random moments from start-up to the end, each followed by the same command again (in a new
+    directory once a run has finished): every step is logged once and every loss is bit-exact."""
+    began = time.monotonic()
+    finish(tmp_path / "timed")
+    duration = time.monotonic() - began
+    rng, runs, after_a_checkpoint = random.Random(0), 0, 0
+    for _ in range(10):
+        output = tmp_path / f"run{runs}"
+        process = start(output)
+        time.sleep(rng.uniform(0.2, 1.0) * duration)
+        process.kill()
+        _, err = process.communicate()
+        after_a_checkpoint += (output / "checkpoints").is_dir() and any((output / "checkpoints").glob("[0-9]*"))
+        logged = losses(output) if (output / "metrics.jsonl").exists() else {}
+        assert logged == {step: reference[step] for step in logged}, err[-3000:]
+        if process.returncode == 0:  # it finished before the kill
+            assert logged == reference
+            runs += 1
+    finish(tmp_path / f"run{runs}")
+    assert losses(tmp_path / f"run{runs}") == reference
+    assert after_a_checkpoint >= 3, "too few kills found a checkpoint to resume from"
+
+
+def test_a_metrics_line_cut_short_by_a_crash_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    truncate_jsonl(path, 2)
+    assert path.read_text() == '{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n'

@@ -3,7 +3,6 @@ checkpoint; bad input stops with a clear error before anything is lost."""
 
 import contextlib
 import io
-import json
 import os
 import pathlib
 import re
@@ -13,27 +12,18 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from tests.train import tiny_run
+from tests.train.tiny_run import records
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, load_config
 from train.errors import CheckpointError, NonFiniteLoss
 from train.lock import run_directory_lock
 from train.loop import run
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 SMALL = [
-    "model.embed_dim=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=32",
-    "model.mlp_dim=128",
+    *tiny_run.SMALL,
     "compute.remat_policy=none",
-    "data.seq_len=64",
-    "data.max_documents=60",
-    "train.batch_size=8",
-    "train.progress_bar=false",
     "train.sample_tokens=0",
-    "train.log_every_steps=1",
     "train.eval_batches=1",
     "optimizer.warmup_steps=5",
     "optimizer.learning_rate=3e-3",
@@ -41,11 +31,7 @@ SMALL = [
 
 
 def config(tmp_path, *overrides):
-    return load_config(REPO / "configs" / "tiny.yaml", [*SMALL, f"train.output_dir={tmp_path}", *overrides])
-
-
-def records(output):
-    return [json.loads(line) for line in (pathlib.Path(output) / "metrics.jsonl").read_text().splitlines()]
+    return load_config(tiny_run.TINY, [*SMALL, f"train.output_dir={tmp_path}", *overrides])
 
 
 def train(output):
