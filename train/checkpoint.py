@@ -125,13 +125,15 @@ class Checkpointer:
             + ". Free some space (or move the run), then rerun the same command to resume"
         )
 
-    def restore_latest(self, abstract: nnx.State, data_iterator, config: dict) -> tuple[int, nnx.State] | None:
+    def restore_latest(
+        self, abstract: nnx.State, data_iterator, config: dict | None = None
+    ) -> tuple[int, nnx.State] | None:
         """Restores the newest readable checkpoint into `abstract`'s shapes and shardings, and the iterator.
 
         Returns (step, state), or None when there is no checkpoint. An unreadable checkpoint is renamed to
         `<step>.corrupt` with a warning and the next older one is tried. Raises CheckpointError when the newest
-        readable one holds another structure than `abstract` (`config`, the run's resolved config, names what
-        changed), or when none can be read but some were set aside (now or by an earlier run)."""
+        readable one holds another structure than `abstract` (`config`, the run's resolved config, lets the
+        message name what changed), or when none can be read but some were set aside (now or by an earlier run)."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             path = self.directory / str(step)
             try:
@@ -165,7 +167,7 @@ class Checkpointer:
             )
         return None
 
-    def _check_structure(self, path: pathlib.Path, saved: dict, abstract: nnx.State, config: dict) -> None:
+    def _check_structure(self, path: pathlib.Path, saved: dict, abstract: nnx.State, config: dict | None) -> None:
         """Raises CheckpointError when the checkpoint at `path` reads but does not fit this run's state."""
         differences = {
             item: structure_difference(saved[item], _pure(part))
@@ -175,7 +177,7 @@ class Checkpointer:
         if not differences:
             return
         try:
-            changes = changed_settings(self._meta(path)["config"], config)
+            changes = changed_settings(self._meta(path)["config"], config) if config else []
         except Exception:  # noqa: BLE001 - the settings only help the message
             changes = []
         raise CheckpointError(
