@@ -39,7 +39,7 @@ import numpy as np
 
 from bench.dense_attention import dense_attention
 from bench.report import ratio
-from parallel import blockwise
+from parallel import kernels
 from parallel.segments import block_summary, visible_blocks
 
 MIB, GIB = 2**20, 2**30
@@ -89,7 +89,7 @@ def random_qkv(length: int, heads: int, seed: int = 0):
 
 
 def kernel_out(q, k, v):
-    return blockwise.attention(q, k, v, causal=True, block_q=512, block_kv=512)[0]
+    return kernels.attention(q, k, v, kernel="blockwise", causal=True, block_q=512, block_kv=512)[0]
 
 
 def xla_out(q, k, v):
@@ -179,8 +179,16 @@ def visited_pairs(segment_ids: np.ndarray, block: int) -> int:
 
 
 def kernel_with_ids(q, k, v, seg):
-    return blockwise.attention(
-        q, k, v, q_segment_ids=seg, kv_segment_ids=seg, causal=True, block_q=PACK_BLOCK, block_kv=PACK_BLOCK
+    return kernels.attention(
+        q,
+        k,
+        v,
+        q_segment_ids=seg,
+        kv_segment_ids=seg,
+        kernel="blockwise",
+        causal=True,
+        block_q=PACK_BLOCK,
+        block_kv=PACK_BLOCK,
     )[0]
 
 

@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import parallel
 from bench.report import ratio
-from parallel import blockwise
+from parallel import kernels
 from parallel import plan as plans
 from parallel.reorder import layout_index
 from parallel.segments import block_summary, visible_blocks
@@ -180,12 +180,13 @@ def all_gather_local(cp: int, args: argparse.Namespace) -> Memory:
     kv_shape = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), args.dtype)
 
     def fn(q, k, v):
-        return blockwise.attention(
+        return kernels.attention(
             q,
             k,
             v,
             q_index=jnp.asarray(index[:n]),
             kv_index=jnp.asarray(index),
+            kernel="blockwise",
             causal=True,
             block_q=args.block,
             block_kv=args.block,

@@ -1,5 +1,6 @@
-"""Blockwise (flash-style) attention with a custom VJP: online softmax over key blocks, recomputation in the
-backward pass, and block pairs that share no segment or lie above the causal diagonal skipped entirely.
+"""Blockwise (flash-style) attention in plain JAX, forward and backward: online softmax over key blocks,
+recomputation in the backward pass, and block pairs that share no segment or lie above the causal diagonal skipped
+entirely. The CPU kernel and the reference for the others; `parallel.kernels.attention` makes it differentiable.
 
 Causality compares GLOBAL token indices (`q_index`, `kv_index`), so the pieces a device holds may be
 non-contiguous (load-balanced layouts) and come from different devices (ring steps).
@@ -9,98 +10,10 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
 from parallel.segments import block_summary, visible_blocks
-
-
-def attention(
-    q,
-    k,
-    v,
-    *,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    q_index=None,
-    kv_index=None,
-    causal=True,
-    scale=None,
-    block_q=512,
-    block_kv=512,
-):
-    """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
-    (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32).
-
-    segment_ids: [batch, t] int32 (0 = padding; None = one document); index: [t] int32 global token index
-    (None = 0..t-1). A query with no visible key gets zeros and lse = -inf. Differentiable in q, k, v
-    (and in lse, so partial results can be merged by log-sum-exp).
-    """
-    batch, tq, heads, dqk = q.shape
-    tk, kv_heads = k.shape[1], k.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"query heads {heads} must be a multiple of key/value heads {kv_heads}")
-    if k.shape[-1] != dqk or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    q_segment_ids = jnp.ones((batch, tq), jnp.int32) if q_segment_ids is None else q_segment_ids
-    kv_segment_ids = jnp.ones((batch, tk), jnp.int32) if kv_segment_ids is None else kv_segment_ids
-    q_index = jnp.arange(tq, dtype=jnp.int32) if q_index is None else q_index
-    kv_index = jnp.arange(tk, dtype=jnp.int32) if kv_index is None else kv_index
-    scale = dqk**-0.5 if scale is None else scale
-    return _attention(
-        q,
-        k,
-        v,
-        q_segment_ids.astype(jnp.int32),
-        kv_segment_ids.astype(jnp.int32),
-        q_index.astype(jnp.int32),
-        kv_index.astype(jnp.int32),
-        causal,
-        float(scale),
-        block_q,
-        block_kv,
-    )
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
-def _attention(q, k, v, q_seg, kv_seg, q_index, kv_index, causal, scale, block_q, block_kv):
-    return forward(
-        q, k, v, q_seg, kv_seg, q_index, kv_index, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
-    )
-
-
-def _attention_fwd(q, k, v, q_seg, kv_seg, q_index, kv_index, causal, scale, block_q, block_kv):
-    out, lse = forward(
-        q, k, v, q_seg, kv_seg, q_index, kv_index, causal=causal, scale=scale, block_q=block_q, block_kv=block_kv
-    )
-    return (out, lse), (q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse)
-
-
-def _attention_bwd(causal, scale, block_q, block_kv, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse = residuals
-    dout, dlse = cotangents
-    dq, dk, dv = backward(
-        q,
-        k,
-        v,
-        q_seg,
-        kv_seg,
-        q_index,
-        kv_index,
-        out,
-        lse,
-        dout,
-        dlse,
-        causal=causal,
-        scale=scale,
-        block_q=block_q,
-        block_kv=block_kv,
-    )
-    return dq, dk, dv, None, None, None, None
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _pad(x, axis: int, multiple: int, value=0):

@@ -1,7 +1,8 @@
 """The parallel plan from a run config: the size checks, `make_plan`, the host-side sequence reorder.
 
 Knows config-shaped objects only: a `parallel` section (context_strategy, load_balance, balance_layout, stripe,
-block_q, block_kv, fused_attention, scatter_residual, expert_dispatch, expert_capacity_factor, expert_chunk_size)
+block_q, block_kv, attention_kernel, fused_attention, scatter_residual, expert_dispatch, expert_capacity_factor,
+expert_chunk_size)
 and mesh axis sizes (context, ulysses, tensor).
 """
 
@@ -12,6 +13,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from parallel import kernels
 from parallel.experts import DISPATCHES
 from parallel.mesh import MeshError
 from parallel.plan import Plan
@@ -111,9 +113,19 @@ def expert_dispatch(parallel, platform: str) -> str:
     return dispatch
 
 
+def attention_kernel(parallel, platform: str) -> str:
+    """`parallel.attention_kernel` on devices of `platform`; raises MeshError naming the value when it is unknown
+    or cannot run there (pallas compiles for GPU only)."""
+    try:
+        return kernels.select(parallel.attention_kernel, backend=platform).name
+    except ValueError as error:
+        raise MeshError(f"parallel.attention_kernel={parallel.attention_kernel!r}: {error}") from None
+
+
 def make_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> Plan:
     """The plan for the traced steps on devices of `platform`: strategy, mesh axis ("context"; usp: ("context",
-    "ulysses")), layout for the context size in `sizes`, stripe, kernel block sizes, scattered tensor parallelism
+    "ulysses")), layout for the context size in `sizes`, stripe, the attention kernel and its block sizes, scattered
+    tensor parallelism
     and the MoE dispatch (`expert_dispatch`). The mesh comes from `jax.set_mesh`."""
     strategy = parallel.context_strategy
     return Plan(
@@ -123,6 +135,7 @@ def make_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> Plan
         stripe=parallel.stripe,
         block_q=parallel.block_q,
         block_kv=parallel.block_kv,
+        kernel=attention_kernel(parallel, platform),
         fused=parallel.fused_attention,
         scatter=parallel.scatter_residual,
         expert_dispatch=expert_dispatch(parallel, platform),

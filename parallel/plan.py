@@ -20,7 +20,8 @@ class Plan:
     """strategy: a name in parallel.strategies.STRATEGIES; axis: mesh axis the sequence is sharded over (usp:
     (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
     parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
-    block_kv: blockwise kernel block sizes; fused: use cuDNN on GPU where it applies (parallel/fused.py);
+    block_kv: attention kernel block sizes; kernel: the attention kernel (parallel.kernels.KERNELS), interpret:
+    its Pallas kernels in interpret mode (tests on CPU); fused: use cuDNN on GPU where it applies (parallel/fused.py);
     scatter: scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
     expert_dispatch: capacity or ragged (parallel/experts.py); expert_capacity: dispatch buffer rows per expert /
     its balanced load; expert_chunk: at most this many tokens per device pass through an MoE block at once
@@ -33,6 +34,8 @@ class Plan:
     mesh: Mesh | None = None
     block_q: int = 512
     block_kv: int = 512
+    kernel: str = "blockwise"
+    interpret: bool = False
     fused: bool = True
     scatter: bool = True
     expert_dispatch: str = "capacity"

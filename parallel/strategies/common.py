@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from parallel import blockwise
+from parallel import kernels
 from parallel.mesh import logical_spec
 from parallel.reorder import layout_index
 
@@ -52,8 +52,8 @@ def local_piece(index: np.ndarray, shards: int, rank):
 
 
 def kernel(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, plan):
-    """The local attention kernel with the plan's block sizes -> (out, lse)."""
-    return blockwise.attention(
+    """The plan's attention kernel with its block sizes -> (out, lse)."""
+    return kernels.attention(
         q,
         k,
         v,
@@ -63,6 +63,8 @@ def kernel(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, plan):
         kv_index=kv_index,
         causal=causal,
         scale=scale,
+        kernel=plan.kernel,
+        interpret=plan.interpret,
         block_q=plan.block_q,
         block_kv=plan.block_kv,
     )

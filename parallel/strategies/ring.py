@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from parallel import blockwise
+from parallel import kernels
 from parallel.strategies.common import axis_shards, global_index, run_sharded
 
 
@@ -35,6 +35,7 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
     table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
     balanced = causal and plan.layout == "dual_chunk" and shards > 1
     blocks = dict(scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
+    impl = kernels.select(plan.kernel, interpret=plan.interpret)
     half = n // 2
     to_next = [(i, (i + 1) % shards) for i in range(shards)]
 
@@ -45,7 +46,7 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
         """(out float32, lse) of local queries against the KV block of `source`."""
         k_s, v_s, kv_seg, kv_index = pieces(kv, seg_all, source)
         q_index = jnp.asarray(table)[rank]
-        fwd = functools.partial(blockwise.forward, out_dtype=jnp.float32, **blocks)
+        fwd = functools.partial(impl.forward, out_dtype=jnp.float32, **blocks)
         if first or not balanced:
             return fwd(q, k_s, v_s, seg, kv_seg, q_index, kv_index, causal=causal)
 
@@ -65,7 +66,7 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
         """(dq, dkv) float32 of local queries against the KV block of `source`."""
         k_s, v_s, kv_seg, kv_index = pieces(kv, seg_all, source)
         q_index = jnp.asarray(table)[rank]
-        bwd = functools.partial(blockwise.backward, dlse=None, grad_dtype=jnp.float32, **blocks)
+        bwd = functools.partial(impl.backward, dlse=None, grad_dtype=jnp.float32, **blocks)
         if first or not balanced:
             dq, dk, dv = bwd(q, k_s, v_s, seg, kv_seg, q_index, kv_index, out, lse, dout, causal=causal)
             return dq, jnp.concatenate([dk, dv], axis=-1)

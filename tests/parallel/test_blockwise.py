@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import blockwise
+from parallel import kernels
 from parallel.segments import block_summary, visible_blocks
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
@@ -40,8 +40,8 @@ def test_kernel_matches_reference(heads):
         results = []
         for causal, packed in cases:
             s = seg if packed else None
-            fn = lambda q, k, v: blockwise.attention(
-                q, k, v, q_segment_ids=s, kv_segment_ids=s, causal=causal, block_q=16, block_kv=8
+            fn = lambda q, k, v: kernels.attention(
+                q, k, v, q_segment_ids=s, kv_segment_ids=s, kernel="blockwise", causal=causal, block_q=16, block_kv=8
             )
             results.append(jax.grad(loss(fn), argnums=(0, 1, 2), has_aux=True)(q, k, v))
         return results
@@ -68,7 +68,7 @@ def test_causal_by_global_index():
     q_rows, kv_rows = perm[:12], perm[12:]  # a query piece and a key piece, non-contiguous and disjoint
 
     def attend(q, k, v):
-        return blockwise.attention(
+        return kernels.attention(
             q[:, q_rows],
             k[:, kv_rows],
             v[:, kv_rows],
@@ -76,6 +76,7 @@ def test_causal_by_global_index():
             kv_segment_ids=seg[:, kv_rows],
             q_index=jnp.asarray(q_rows),
             kv_index=jnp.asarray(kv_rows),
+            kernel="blockwise",
             causal=True,
             block_q=4,
             block_kv=8,

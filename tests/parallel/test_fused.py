@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import parallel
-from parallel import blockwise, fused
+from parallel import fused, kernels
 from tests.parallel.attention_reference import relative_error
 
 
@@ -46,5 +46,5 @@ def test_fused_equals_blockwise(monkeypatch, causal):
     xla = functools.partial(fused.attention, implementation="xla")
     monkeypatch.setattr(fused, "attention", lambda *a, **kw: calls.append(1) or xla(*a, **kw))
     out = parallel.attention(q, k, v, causal=causal, scale=0.3)
-    expected, _ = blockwise.attention(q, k, v, causal=causal, scale=0.3)
+    expected, _ = kernels.attention(q, k, v, kernel="blockwise", causal=causal, scale=0.3)
     assert calls and relative_error(out, expected) < 2e-5

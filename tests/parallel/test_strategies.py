@@ -36,8 +36,11 @@ def inputs(heads, seed):
     return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
 
 
-def check_strategy(strategy, shards, layout="dual_chunk", stripe=1, case_list=None, unpacked_as_none=False):
-    """Compiles all cases once; runs them on packed segment ids and on unpacked rows (all ones, or None)."""
+def check_strategy(
+    strategy, shards, layout="dual_chunk", stripe=1, case_list=None, unpacked_as_none=False, kernel="blockwise"
+):
+    """Compiles all cases once; runs them on packed segment ids and on unpacked rows (all ones, or None).
+    kernel="pallas" runs the Pallas kernels in interpret mode."""
     mesh, axis, layout_shards = mesh_for(strategy, shards)
     case_list = case_list or cases()
     data = [inputs(heads, seed) for seed, (heads, _) in enumerate(case_list)]
@@ -69,7 +72,8 @@ def check_strategy(strategy, shards, layout="dual_chunk", stripe=1, case_list=No
 
     packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=shards))
     unpacked = None if unpacked_as_none else jnp.ones((BATCH, LENGTH), jnp.int32)
-    with jax.set_mesh(mesh), parallel.plans.use(parallel.plans.Plan(block_q=8, block_kv=8)):
+    plan = parallel.plans.Plan(block_q=8, block_kv=8, kernel=kernel, interpret=kernel == "pallas")
+    with jax.set_mesh(mesh), parallel.plans.use(plan):
         run = jax.jit(run_all)
         runs = [(seg, run(data, seg)) for seg in (packed, unpacked)]
     for seg, results in runs:
@@ -119,3 +123,10 @@ def test_strategy_matches_reference(strategy, shards):
 )
 def test_other_layouts(strategy, layout, stripe):
     check_strategy(strategy, 4, layout, stripe, case_list=[("gqa", True), ("mla", False)], unpacked_as_none=True)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_strategy_with_the_pallas_kernel(strategy):
+    """The Pallas kernels (interpret mode) behind a strategy: each ring step's forward / backward (the diagonal and
+    dual_chunk's early and late halves) and the differentiable kernel all_gather calls."""
+    check_strategy(strategy, 4, case_list=[("gqa", True), ("mla", False)], kernel="pallas")

@@ -10,7 +10,7 @@ import pytest
 import models
 from layers import moe, rope
 from models import dtypes, remat
-from parallel import experts, reorder, strategies
+from parallel import experts, kernels, reorder, strategies
 from train import data, sources
 from train.config import CHOICES, ConfigError, load_config
 
@@ -165,6 +165,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "parallel.context_strategy": strategies.STRATEGIES,
         "parallel.balance_layout": [layout for layout in reorder.LAYOUTS if layout != "contiguous"],
         "parallel.expert_dispatch": ("auto", *experts.DISPATCHES),
+        "parallel.attention_kernel": kernels.KERNELS,
     }
     assert CHOICES.keys() == registries.keys()
     for key, registry in registries.items():

@@ -128,6 +128,13 @@ def test_plan_from_config(parallel_config, sizes, expected):
     assert make_plan(parallel_config, sizes) == expected
 
 
+def test_attention_kernel_by_platform():
+    assert make_plan(ParallelConfig(), {}, "gpu").kernel == "pallas"
+    assert make_plan(ParallelConfig(attention_kernel="blockwise"), {}, "gpu").kernel == "blockwise"
+    with pytest.raises(MeshError, match=r"attention_kernel='pallas': attention kernel 'pallas' compiles for GPU"):
+        make_plan(ParallelConfig(attention_kernel="pallas"), {}, "cpu")
+
+
 def test_host_reorder_is_undone_by_from_balanced():
     batch = packed_batch(MODEL.vocab_size)
     plan = Plan(strategy="ring", layout="dual_chunk")

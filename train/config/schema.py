@@ -93,8 +93,9 @@ class ParallelConfig:
     load_balance: bool = True  # reorder the sequence when mesh.context > 1 so causal work is even
     balance_layout: str = "dual_chunk"  # dual_chunk | striped
     stripe: int = 1  # tokens per stripe for the striped layout
-    block_q: int = 512  # blockwise attention kernel block sizes
+    block_q: int = 512  # attention kernel block sizes
     block_kv: int = 512
+    attention_kernel: str = "auto"  # pallas (GPU) | blockwise | auto: pallas on GPU, blockwise elsewhere
     fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
     expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices

@@ -16,6 +16,7 @@ from models.config import ConfigError, check_model, require
 from models.dtypes import COMPUTE_DTYPES, PARAM_DTYPES
 from models.remat import POLICIES
 from parallel.configure import EXPERT_DISPATCHES, check_context, check_tensor
+from parallel.kernels import KERNELS
 from parallel.mesh import MeshError, check_batch
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
@@ -36,6 +37,7 @@ CHOICES = {
     "parallel.context_strategy": tuple(STRATEGIES),
     "parallel.balance_layout": tuple(layout for layout in LAYOUTS if layout != "contiguous"),
     "parallel.expert_dispatch": EXPERT_DISPATCHES,
+    "parallel.attention_kernel": KERNELS,
 }
 POSITIVE = (
     "compute.loss_chunk_size",

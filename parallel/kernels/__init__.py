@@ -1,0 +1,117 @@
+"""One attention kernel interface for every strategy: `attention` (differentiable in q, k, v and lse) and, through
+`select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
+lse). Behind it: Pallas kernels on GPU (parallel/kernels/pallas.py; interpret mode runs them on CPU), and the
+blockwise kernel (parallel/blockwise.py) on CPU and as the reference."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from parallel import blockwise
+from parallel.kernels import pallas
+
+KERNELS = ("auto", "pallas", "blockwise")
+
+
+class Kernel(NamedTuple):
+    """forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, out_dtype=None) ->
+    (out, lse); backward(..., out, lse, dout, dlse, *, causal, scale, block_q, block_kv, grad_dtype=None) ->
+    (dq, dk, dv): parallel.blockwise.forward / backward's signatures."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+
+
+def select(kernel: str = "auto", *, interpret: bool = False, backend: str | None = None) -> Kernel:
+    """The kernel named `kernel` (auto: pallas on GPU, blockwise elsewhere) for `backend` (default: JAX's).
+    `interpret=True` runs the Pallas kernels in interpret mode (any backend). Raises ValueError naming the
+    kernel when it is unknown or cannot run on the backend."""
+    backend = backend or jax.default_backend()
+    if kernel not in KERNELS:
+        raise ValueError(f"attention kernel {kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
+    if kernel == "auto":
+        kernel = "pallas" if backend == "gpu" or interpret else "blockwise"
+    if kernel == "blockwise":
+        return Kernel("blockwise", blockwise.forward, blockwise.backward)
+    if backend != "gpu" and not interpret:
+        raise ValueError(
+            f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "
+            f"(tests run it with interpret=True)"
+        )
+    return Kernel(
+        "pallas",
+        functools.partial(pallas.forward, interpret=interpret),
+        functools.partial(pallas.backward, interpret=interpret),
+    )
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    q_segment_ids=None,
+    kv_segment_ids=None,
+    q_index=None,
+    kv_index=None,
+    causal=True,
+    scale=None,
+    kernel="auto",
+    interpret=False,
+    block_q=512,
+    block_kv=512,
+):
+    """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
+    (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).
+
+    segment_ids: [batch, t] int32 (0 = padding; None = one document); index: [t] int32 global token index
+    (None = 0..t-1). A query with no visible key gets zeros and lse = -inf. `kernel`: one of KERNELS.
+    """
+    batch, tq, heads, dqk = q.shape
+    tk, kv_heads = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"query heads {heads} must be a multiple of key/value heads {kv_heads}")
+    if k.shape[-1] != dqk or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
+    q_segment_ids = jnp.ones((batch, tq), jnp.int32) if q_segment_ids is None else q_segment_ids
+    kv_segment_ids = jnp.ones((batch, tk), jnp.int32) if kv_segment_ids is None else kv_segment_ids
+    q_index = jnp.arange(tq, dtype=jnp.int32) if q_index is None else q_index
+    kv_index = jnp.arange(tk, dtype=jnp.int32) if kv_index is None else kv_index
+    static = dict(causal=causal, scale=float(dqk**-0.5 if scale is None else scale), block_q=block_q, block_kv=block_kv)
+    return _attention(
+        select(kernel, interpret=interpret),
+        static,
+        q,
+        k,
+        v,
+        q_segment_ids.astype(jnp.int32),
+        kv_segment_ids.astype(jnp.int32),
+        q_index.astype(jnp.int32),
+        kv_index.astype(jnp.int32),
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attention(impl: Kernel, static: dict, q, k, v, q_seg, kv_seg, q_index, kv_index):
+    return impl.forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static)
+
+
+def _attention_fwd(impl, static, q, k, v, q_seg, kv_seg, q_index, kv_index):
+    out, lse = impl.forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static)
+    return (out, lse), (q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse)
+
+
+def _attention_bwd(impl, static, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse = residuals
+    dout, dlse = cotangents
+    dq, dk, dv = impl.backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, **static)
+    return dq, dk, dv, None, None, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
