@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import sys
 
 import jax  # importing starts no backend: --plan can still choose the devices
@@ -20,6 +21,14 @@ from train.errors import CheckpointError, DataError, NonFiniteLoss
 from train.memory import format_plan, parse_size, plan_memory
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
+# XLA flags for GPU runs unless XLA_FLAGS is set: the latency-hiding scheduler lets a ring step's permute (and the
+# FSDP gathers) overlap compute. Other backends accept and ignore them.
+GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+
+
+def default_xla_flags(environ=os.environ) -> None:
+    """Sets XLA_FLAGS to GPU_XLA_FLAGS when the user has not set it (before any backend starts)."""
+    environ.setdefault("XLA_FLAGS", GPU_XLA_FLAGS)
 
 
 def device_memory(text: str) -> int:
@@ -109,6 +118,7 @@ def main(argv=None) -> int:
     cluster_flags = (args.coordinator, args.num_processes, args.process_id)
     if not args.distributed and cluster_flags != (None, None, None):
         parser.error("--coordinator, --num-processes and --process-id go with --distributed")
+    default_xla_flags()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

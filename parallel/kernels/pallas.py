@@ -5,7 +5,8 @@ value heads, query-key and value head dims that differ, lse out and its cotangen
 
 Three kernels: the forward (grid batch x heads x query blocks, a loop over key blocks), dk / dv (grid batch x
 key-value heads x key blocks, a loop over the group's query heads and query blocks) and dq (as the forward).
-Head dims are zero-padded to a power of two (Triton's block rule; zeros change no dot product).
+Head dims are zero-padded to a power of two and lengths to whole power-of-two blocks (Triton's block rule; zero
+features change no dot product, padded tokens are segment 0).
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ def _pad_to(x, axis: int, size: int, value=0):
 
 
 def _blocks(length: int, block: int) -> tuple[int, int]:
-    """(block size, padded length) for `length` tokens in blocks of at most `block`."""
-    size = min(block, length)
+    """(block size, padded length) for `length` tokens: a power of two (Triton's rule) of at most `block` (at least
+    16, the smallest matrix-multiply tile) and no larger than needed."""
+    size = max(16, min(1 << (block.bit_length() - 1), pl.next_power_of_2(length)))
     return size, -(-length // size) * size
 
 

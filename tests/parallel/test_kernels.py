@@ -12,7 +12,7 @@ from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
 
 HEADS = {"mha": (4, 4, 16, 16), "gqa": (4, 2, 16, 16), "mla": (2, 1, 24, 16)}  # heads, kv heads, dqk, dv
-LENGTH = 32
+LENGTH = 48  # 3 blocks of 16, the smallest Pallas block
 
 
 def inputs(heads, kv_heads, dqk, dv, batch=2, tq=LENGTH, tk=LENGTH, seed=0):
@@ -28,7 +28,7 @@ def outputs_and_grads(kernel, q, k, v, **options):
     w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
 
     def loss(q, k, v):
-        out, lse = kernels.attention(q, k, v, kernel=kernel, interpret=True, block_q=8, block_kv=8, **options)
+        out, lse = kernels.attention(q, k, v, kernel=kernel, interpret=True, block_q=16, block_kv=16, **options)
         return jnp.sum(out * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse), (out, lse)
 
     grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
@@ -61,7 +61,7 @@ def test_pallas_equals_blockwise(heads, causal, packed):
 def test_pallas_equals_blockwise_on_ring_pieces(layout, ranks):
     """A ring step: rank q_rank's queries against rank kv_rank's keys in `layout` for 4 ranks, causal by global
     index; (0, 3) gives queries that precede every key of the piece (no visible key in some rows)."""
-    shards, piece = 4, 16
+    shards, piece = 4, 32
     index = layout_index(shards * piece, shards, layout, stripe=2).reshape(shards, piece)
     q_index, kv_index = (jnp.asarray(index[rank]) for rank in ranks)
     q, k, v = inputs(*HEADS["gqa"], tq=piece, tk=piece)

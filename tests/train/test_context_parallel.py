@@ -14,6 +14,7 @@ from parallel.mesh import MeshError
 from parallel.plan import Plan
 from parallel.reorder import from_balanced
 from tests.train.step_reference import assert_same_step, first_step, initial_state, packed_batch
+from train.__main__ import GPU_XLA_FLAGS, default_xla_flags
 from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
 from train.loop import run
 
@@ -185,3 +186,12 @@ def test_fitting_sizes_pass():
     check_context(
         ParallelConfig(context_strategy="usp"), {"context": 2, "ulysses": 4, "tensor": 1}, seq_len=64, num_heads=4
     )
+
+
+def test_gpu_overlap_flags_unless_xla_flags_is_set():
+    environ = {}
+    default_xla_flags(environ)
+    assert environ == {"XLA_FLAGS": GPU_XLA_FLAGS} and "latency_hiding_scheduler=true" in GPU_XLA_FLAGS
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    default_xla_flags(environ)
+    assert environ == {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
