@@ -33,16 +33,18 @@ def cross_entropy(
     *,
     dtype: jnp.dtype = jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:
-    """Unchunked reference: hidden [batch, length, embed], kernel [embed, vocab], targets and mask [batch, length].
+    """Unchunked reference: hidden [batch, length, embed], kernel [embed, vocab], targets [batch, length], mask
+    [batch, length] or [batch, length, groups] (several weightings of the same token losses in one pass).
 
-    Returns (sum of mask * (logsumexp(logits) - logits[target]), sum of mask). `mask` is bool or
-    float weights; targets outside [0, vocab) are clipped, so padding must be masked.
+    Returns (sum of mask * (logsumexp(logits) - logits[target]), sum of mask) over batch and length: scalars, or
+    [groups]. `mask` is bool or float weights; targets outside [0, vocab) are clipped, so padding must be masked.
     """
     all_logits = logits(hidden, kernel, dtype)
     target_logits = jnp.take_along_axis(all_logits, targets[..., None], axis=-1, mode="clip")[..., 0]
     weights = mask.astype(jnp.float32)
     token_losses = jax.nn.logsumexp(all_logits, axis=-1) - target_logits
-    return jnp.sum(weights * token_losses), jnp.sum(weights)
+    token_losses = token_losses.reshape(*token_losses.shape, *(1,) * (weights.ndim - 2))
+    return jnp.sum(weights * token_losses, axis=(0, 1)), jnp.sum(weights, axis=(0, 1))
 
 
 def chunked_cross_entropy(
@@ -56,9 +58,10 @@ def chunked_cross_entropy(
 ) -> tuple[jax.Array, jax.Array]:
     """`cross_entropy` over length chunks: hidden [batch, length, embed], kernel [embed, vocab].
 
-    targets, mask: [batch, length]. The length is scanned in chunks of `chunk_size` (one chunk when
-    chunk_size >= length); each chunk is rematerialised in the backward pass, so at most
-    [batch, chunk_size, vocab] logits are live. Returns float32 (loss_sum, weight_sum).
+    targets: [batch, length], mask: [batch, length] or [batch, length, groups]. The length is scanned in chunks
+    of `chunk_size` (one chunk when chunk_size >= length); each chunk is rematerialised in the backward pass, so
+    at most [batch, chunk_size, vocab] logits are live. Returns float32 (loss_sum, weight_sum): scalars, or
+    [groups].
     """
     batch, length = hidden.shape[:2]
     if chunk_size <= 0:
@@ -80,7 +83,7 @@ def chunked_cross_entropy(
         loss_sum, weight_sum = chunk_sums(*inputs)
         return (carry[0] + loss_sum, carry[1] + weight_sum), None
 
-    zero = jnp.zeros((), jnp.float32)
+    zero = jnp.zeros(mask.shape[2:], jnp.float32)
     (loss_sum, weight_sum), _ = jax.lax.scan(
         step, (zero, zero), (to_chunks(hidden), to_chunks(targets), to_chunks(mask))
     )

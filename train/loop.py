@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import pathlib
@@ -73,6 +74,15 @@ def check_run_directory(output: pathlib.Path, config: Config) -> None:
                     f"the new setting, start a new train.output_dir with checkpoint.init_from={str(output)!r}"
                     f"/checkpoints"
                 )
+
+
+def position_buckets(boundaries: tuple[int, ...], seq_len: int) -> tuple[tuple[int, int], ...]:
+    """train.eval_position_buckets [b1, ..., bn] -> ((0, b1), (b1, b2), ..., (bn, seq_len)), boundaries at or past
+    seq_len left out (a shorter run of the same recipe); () when none."""
+    if not boundaries:
+        return ()
+    edges = (0, *(b for b in boundaries if b < seq_len), seq_len)
+    return tuple(itertools.pairwise(edges))
 
 
 def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:
@@ -160,7 +170,8 @@ def _loop(
     t, output = config.train, pathlib.Path(config.train.output_dir)
     chunk = config.compute.loss_chunk_size
     train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps, plan=plan)
-    eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan)
+    buckets = position_buckets(t.eval_position_buckets, config.data.seq_len)
+    eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan, buckets=buckets)
     sharding, rows = batch_sharding(mesh), process_rows(mesh, t.batch_size)
 
     def device_batch(batch: dict) -> dict:
@@ -180,12 +191,17 @@ def _loop(
     last: dict = {}
     state = train_state.state
 
-    def evaluate(state) -> float:
+    def evaluate(state) -> dict[str, float]:
+        """eval_loss, and eval_loss/pos_<start>_<end> for each position bucket that holds loss tokens."""
         eval_iter = iter(eval_dataset)  # from its start: every evaluation sees the same held-out batches
-        sums = [eval_step(state, device_batch(next(eval_iter))) for _ in range(t.eval_batches)]
+        sums = [jax.device_get(eval_step(state, device_batch(next(eval_iter)))) for _ in range(t.eval_batches)]
         eval_iter.close()
-        total, count = (sum(float(s[i]) for s in sums) for i in (0, 1))
-        return total / max(count, 1.0)
+        totals, counts = (np.sum([s[i] for s in sums], axis=0) for i in (0, 1))
+        losses = {"eval_loss": float(totals[0] / max(counts[0], 1.0))}
+        for (begin, end), total, count in zip(buckets, totals[1:], counts[1:], strict=True):
+            if count:
+                losses[f"eval_loss/pos_{begin}_{end}"] = float(total / count)
+        return losses
 
     def wants_eval(step: int) -> bool:
         if not t.eval_batches:
@@ -224,7 +240,7 @@ def _loop(
             step_time=elapsed / max(window["steps"], 1),
         )
         if eval_state is not None:
-            values["eval_loss"] = evaluate(eval_state)
+            values.update(evaluate(eval_state))
         logger.log(step, values)
         last = {"step": step, **values}
         window.update(start=time.perf_counter(), steps=0)

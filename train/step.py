@@ -17,17 +17,18 @@ from parallel.mesh import batch_sharding
 from train.data import BATCH_FIELDS
 
 
-def loss_sums(model, batch, chunk_size: int):
+def loss_sums(model, batch, chunk_size: int, weights=None):
     """(sum of token losses, number of loss tokens, model aux) over a batch of [batch, length] arrays.
 
-    The mask is the data's loss_mask (0 on padding and where the target belongs to another document); aux is
-    what the model reports beside its hidden states (e.g. expert counts), summed over micro-batches."""
+    The mask is the data's loss_mask (0 on padding and where the target belongs to another document), or
+    `weights` [batch, length, groups] (sums per group); aux is what the model reports beside its hidden states
+    (e.g. expert counts), summed over micro-batches."""
     hidden, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
     loss, count = chunked_cross_entropy(
         hidden,
         model.output_kernel(),
         batch["targets"],
-        batch["loss_mask"],
+        batch["loss_mask"] if weights is None else weights,
         chunk_size=min(chunk_size, hidden.shape[1]),
         dtype=compute_dtype(model.compute),
     )
@@ -82,14 +83,23 @@ def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, pla
     )
 
 
-def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.Plan = plans.Plan()):
-    """jit(state, batch) -> (loss sum, token count) on held-out data in `plan.layout` order."""
+def position_weights(batch, buckets) -> jax.Array:
+    """[batch, length, 1 + len(buckets)] float32: the loss mask, then the loss mask of the tokens whose position in
+    their document lies in each (start, end) of `buckets`."""
+    mask, positions = batch["loss_mask"], batch["positions"]
+    inside = [(positions >= start) & (positions < end) for start, end in buckets]
+    return jnp.stack([mask, *(mask * bucket for bucket in inside)], axis=-1).astype(jnp.float32)
+
+
+def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.Plan = plans.Plan(), buckets=()):
+    """jit(state, batch) -> (loss sums, token counts), each [1 + len(buckets)] float32, on held-out data in
+    `plan.layout` order: all loss tokens, then those at document positions in each (start, end) of `buckets`."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
         with plans.use(plan):
             model, _ = nnx.merge(graphdef, state)
-            return loss_sums(model, batch, chunk_size)[:2]
+            return loss_sums(model, batch, chunk_size, position_weights(batch, buckets))[:2]
 
     data = {key: batch_sharding(mesh) for key in BATCH_FIELDS}
     return jax.jit(step, in_shardings=(train_state.shardings, data))

@@ -53,6 +53,18 @@ def test_chunked_equals_plain_value_and_gradient(chunk_size):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
 
+def test_grouped_weights_equal_one_call_per_group():
+    """mask [batch, length, groups]: one pass gives each weighting's sums (the eval's position buckets)."""
+    hidden, kernel, targets, mask = make_inputs()
+    groups = jnp.stack([mask, mask & (jnp.arange(LENGTH) < 5), jnp.zeros_like(mask)], axis=-1)
+    loss_sums, weight_sums = chunked_cross_entropy(hidden, kernel, targets, groups, chunk_size=4)
+    assert loss_sums.shape == weight_sums.shape == (3,)
+    for g in range(3):
+        loss_sum, weight_sum = chunked_cross_entropy(hidden, kernel, targets, groups[..., g], chunk_size=4)
+        np.testing.assert_allclose(float(loss_sums[g]), float(loss_sum), rtol=1e-6)
+        assert float(weight_sums[g]) == float(weight_sum)
+
+
 def test_masked_tokens_contribute_nothing():
     hidden, kernel, targets, mask = make_inputs()
     other_targets = jnp.where(mask, targets, (targets + 7) % VOCAB)

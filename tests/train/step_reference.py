@@ -8,12 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 
 from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import batch_sharding, make_mesh
 from train.config import ComputeConfig, MeshConfig, ModelConfig, ParallelConfig
 from train.state import TrainState, abstract_state, create_state
-from train.step import make_train_step
+from train.step import make_eval_step, make_train_step
 
 ROWS, LENGTH = 2, 64
 COMPUTE = ComputeConfig(dtype="float32", remat_policy="none")
@@ -79,3 +80,31 @@ def assert_same_step(result, reference, tolerance: float = 1e-5) -> None:
     for name, ref in ref_grads.items():
         error = np.linalg.norm(grads[name] - ref) / max(np.linalg.norm(ref), 1e-30)
         assert error <= tolerance, (name, error)
+
+
+def eval_sums(
+    host_state, model: ModelConfig, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices, buckets
+):
+    """(loss sums, token counts), each [1 + len(buckets)], of the eval step on `packed_batch()` as the loop runs it."""
+    mesh = make_mesh(mesh_config, devices)
+    plan = make_plan(parallel_config, mesh.shape)
+    graphdef, _, shardings = abstract_state(model, keep_grads(), mesh, compute=COMPUTE)
+    state = TrainState(graphdef, jax.device_put(host_state, shardings), shardings)
+    step = make_eval_step(state, mesh, chunk_size=32, plan=plan, buckets=buckets)
+    batch = to_layout(packed_batch(model.vocab_size), plan, mesh.shape["context"])
+    with jax.set_mesh(mesh):
+        sums, counts = step(state.state, jax.device_put(batch, batch_sharding(mesh)))
+    return np.asarray(sums), np.asarray(counts)
+
+
+def token_losses(host_state, model: ModelConfig) -> np.ndarray:
+    """[ROWS, LENGTH] next-token loss of every position of `packed_batch()`, from the model's logits on one device
+    (no loss code involved)."""
+    mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
+    graphdef, _, _ = abstract_state(model, keep_grads(), mesh, compute=COMPUTE)
+    network, _ = nnx.merge(graphdef, jax.device_put(host_state, jax.devices()[0]))
+    batch = packed_batch(model.vocab_size)
+    hidden, _ = network.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
+    logits = np.asarray(hidden @ network.output_kernel(), np.float64)
+    picked = np.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    return np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1) - picked

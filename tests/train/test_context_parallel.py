@@ -13,7 +13,15 @@ from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import MeshError
 from parallel.plan import Plan
 from parallel.reorder import from_balanced
-from tests.train.step_reference import assert_same_step, first_step, initial_state, packed_batch
+from tests.train.step_reference import (
+    LENGTH,
+    assert_same_step,
+    eval_sums,
+    first_step,
+    initial_state,
+    packed_batch,
+    token_losses,
+)
 from train.__main__ import GPU_XLA_FLAGS, default_xla_flags
 from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
 from train.loop import run
@@ -35,6 +43,7 @@ RUN = [
     "train.progress_bar=false",
     "train.log_every_steps=1",
     "train.eval_batches=1",
+    "train.eval_position_buckets=[8, 32]",
     "train.sample_tokens=0",
     "optimizer.warmup_steps=0",
     "optimizer.learning_rate=3e-3",
@@ -68,7 +77,8 @@ def test_ring_run_over_8_devices_logs_the_losses_of_one_context_device(tmp_path,
     one, ring = logged(tmp_path / "one"), logged(tmp_path / "ring")
     assert [r["step"] for r in ring] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["loss"] for r in ring], [r["loss"] for r in one], rtol=1e-5)
-    np.testing.assert_allclose(ring[-1]["eval_loss"], one[-1]["eval_loss"], rtol=1e-5)
+    for key in ("eval_loss", "eval_loss/pos_0_8", "eval_loss/pos_8_32", "eval_loss/pos_32_64"):
+        np.testing.assert_allclose(ring[-1][key], one[-1][key], rtol=1e-5)
     assert ring[-1]["loss"] < ring[0]["loss"] - 0.1, ring
     assert "--- sample ---" in capfd.readouterr().out  # sampling after a context-parallel run (no plan)
 
@@ -97,6 +107,26 @@ def reference(host_state):
 )
 def test_strategy_step_equals_one_context_device(mesh_config, parallel_config, host_state, reference):
     assert_same_step(first_step(host_state, MODEL, mesh_config, parallel_config, jax.devices()), reference)
+
+
+@pytest.mark.parametrize(
+    "mesh_config, parallel_config, devices",
+    [
+        (MeshConfig(fsdp=1), ParallelConfig(), 1),
+        (MeshConfig(fsdp=1, context=8), ParallelConfig(context_strategy="ring", block_q=8, block_kv=8), 8),
+    ],
+    ids=["one-device", "ring8"],
+)
+def test_eval_loss_by_position_equals_direct_token_losses(host_state, mesh_config, parallel_config, devices):
+    """Packed rows: each position bucket's loss sum and token count equal the per-token losses from the model's
+    logits, whether the eval step runs on one device or over 8 context devices in the balanced order."""
+    buckets = ((0, 4), (4, 16), (16, LENGTH))
+    sums, counts = eval_sums(host_state, MODEL, mesh_config, parallel_config, jax.devices()[:devices], buckets)
+    batch, losses = packed_batch(MODEL.vocab_size), token_losses(host_state, MODEL)
+    for i, (start, end) in enumerate(((0, LENGTH), *buckets)):
+        weights = batch["loss_mask"] * ((batch["positions"] >= start) & (batch["positions"] < end))
+        assert counts[i] == weights.sum() > 0
+        np.testing.assert_allclose(sums[i], (weights * losses).sum(), rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -121,6 +121,9 @@ def _coerce(hint, value, key: str):
             except ConfigError as error:
                 errors.append(str(error))
         raise ConfigError(errors[-1])
+    if origin is tuple and isinstance(value, list | tuple):  # tuple[T, ...]: a YAML list of T
+        item = typing.get_args(hint)[0]
+        return tuple(_coerce(item, element, f"{key}[{i}]") for i, element in enumerate(value))
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, str):  # YAML 1.1 reads `3e-4` (no dot) as a string
@@ -132,10 +135,12 @@ def _coerce(hint, value, key: str):
         return None
     if isinstance(hint, type) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    name = getattr(hint, "__name__", str(hint))
+    name = f"a list of {typing.get_args(hint)[0].__name__}" if origin is tuple else getattr(hint, "__name__", str(hint))
     raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; expected {name}")
 
 
 def to_dict(config: Config) -> dict:
-    """The config as nested plain dicts (what config.yaml and a checkpoint's `meta` hold)."""
-    return dataclasses.asdict(config)
+    """The config as nested plain dicts and lists (what config.yaml and a checkpoint's `meta` hold)."""
+    return dataclasses.asdict(
+        config, dict_factory=lambda items: {k: list(v) if isinstance(v, tuple) else v for k, v in items}
+    )

@@ -53,6 +53,9 @@ class TrainConfig:
     log_every_steps: int = 10
     eval_every_steps: int = 0  # 0 = only at the end
     eval_batches: int = 4  # 0 = no evaluation
+    # token positions within a document where the eval loss is split: [1024, 4096] reports eval_loss/pos_0_1024,
+    # eval_loss/pos_1024_4096 and eval_loss/pos_4096_<seq_len> beside eval_loss
+    eval_position_buckets: tuple[int, ...] = ()
     seed: int = 0
     progress_bar: bool = True
     sample_tokens: int = 120

@@ -5,6 +5,7 @@ and the relations between sections. A bad value raises ConfigError naming the ke
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import pathlib
 
 from jax.sharding import Mesh
@@ -93,6 +94,11 @@ def validate(config: Config) -> None:
     require(
         d.eval_fraction > 0 or t.eval_batches == 0,
         f"data.eval_fraction=0 holds out no documents, so train.eval_batches={t.eval_batches} must be 0",
+    )
+    buckets = t.eval_position_buckets
+    require(
+        all(a < b for a, b in itertools.pairwise((0, *buckets))),
+        f"train.eval_position_buckets={list(buckets)} must be increasing positive token positions, e.g. [1024, 4096]",
     )
     require(
         t.batch_size % t.grad_accum_steps == 0,
