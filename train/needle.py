@@ -98,15 +98,16 @@ def score(predict: Callable[[np.ndarray, np.ndarray], np.ndarray], haystacks: Se
     return float(np.mean(np.all(predicted == np.take_along_axis(tokens, answers, axis=1), axis=1)))
 
 
-def model_predictor(train_state, mesh, plan: plans.Plan) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """`predict(tokens, at)` for `score` from a model state: one forward pass per call over `mesh`, the rows in
-    `plan`'s sequence layout (context parallelism included), the head applied only at the positions `at`."""
-    graphdef, context = train_state.graphdef, mesh.shape["context"]
+def model_predictor(graphdef, state, mesh, plan: plans.Plan) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
+    """`predict(tokens, at)` for `score` from a model's graphdef and sharded state (the model alone): one forward
+    pass per call over `mesh`, the rows in `plan`'s sequence layout (context parallelism included), the head
+    applied only at the positions `at`."""
+    context = mesh.shape["context"]
 
     @jax.jit
     def argmax_at(state, batch, at):
         with plans.use(plan):
-            model, _ = nnx.merge(graphdef, state)
+            model = nnx.merge(graphdef, state)
             hidden, _ = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
             picked = jnp.take_along_axis(hidden, at[..., None], axis=1)  # [rows, n, embed]
             return jnp.argmax(logits(picked, model.output_kernel(), compute_dtype(model.compute)), axis=-1)
@@ -126,7 +127,7 @@ def model_predictor(train_state, mesh, plan: plans.Plan) -> Callable[[np.ndarray
         if plan.layout != "contiguous":  # where each original position sits in the layout
             at = np.argsort(layout_index(length, context, plan.layout, plan.stripe))[at]
         with jax.set_mesh(mesh):
-            predicted = argmax_at(train_state.state, batch, jnp.asarray(np.resize(at, (padded, at.shape[1]))))
+            predicted = argmax_at(state, batch, jnp.asarray(np.resize(at, (padded, at.shape[1]))))
         return np.asarray(predicted)[:rows]
 
     return predict

@@ -38,6 +38,14 @@ def abstract_state(
     return graphdef, abstract, shardings
 
 
+def abstract_model(model_config: ModelConfig, mesh: Mesh, *, compute: ComputeConfig = ComputeConfig()):
+    """(graphdef, abstract state with shardings) of the model alone, without allocating it: what evaluation of a
+    checkpoint's parameters needs (no optimizer state)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(model_config, compute, rngs=nnx.Rngs(0))))
+    shardings = state_shardings(abstract, mesh)
+    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+
 def create_state(
     model_config: ModelConfig,
     tx: optax.GradientTransformation,

@@ -12,7 +12,7 @@ from parallel.mesh import make_mesh
 from tests.train.step_reference import COMPUTE, initial_state, keep_grads
 from train.config import MeshConfig, ModelConfig, ParallelConfig
 from train.needle import TASKS, answer_positions, build, model_predictor, score
-from train.state import TrainState, abstract_state
+from train.state import abstract_model, abstract_state
 from train.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
@@ -76,9 +76,9 @@ def host_state():
 
 def predictor(host_state, mesh_config, parallel_config, devices):
     mesh = make_mesh(mesh_config, jax.devices()[:devices])
-    graphdef, _, shardings = abstract_state(MODEL, keep_grads(), mesh, compute=COMPUTE)
-    state = TrainState(graphdef, jax.device_put(host_state, shardings), shardings)
-    return model_predictor(state, mesh, make_plan(parallel_config, mesh.shape))
+    graphdef, abstract = abstract_model(MODEL, mesh, compute=COMPUTE)
+    state = jax.device_put(host_state[0], jax.tree.map(lambda a: a.sharding, abstract))
+    return model_predictor(graphdef, state, mesh, make_plan(parallel_config, mesh.shape))
 
 
 def test_model_predictions_are_the_argmax_of_the_full_logits_on_any_mesh(host_state):

@@ -3,6 +3,7 @@ checkpoint; bad input stops with a clear error before anything is lost."""
 
 import contextlib
 import io
+import json
 import os
 import pathlib
 import re
@@ -17,6 +18,7 @@ from tests.train.tiny_run import records
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, load_config
 from train.errors import CheckpointError, NonFiniteLoss
+from train.evaluate import main as evaluate_main
 from train.lock import run_directory_lock
 from train.loop import run
 
@@ -215,3 +217,18 @@ def test_a_full_disk_stops_before_saving_and_keeps_the_checkpoints(trained, tmp_
         checkpoints.save(41, state, data_iterator=None, meta={})
     checkpoints.close()
     assert steps_kept(output) == ["20", "40"]
+
+
+def test_needle_evaluation_of_a_run_writes_records_a_heatmap_and_scalars(trained, tmp_path, capsys):
+    lengths, depths = [320, 384], [0.2, 0.8]
+    args = ["--lengths", "320,384", "--depths", "0.2,0.8", "--tasks", "single,multi_key", "--samples", "2"]
+    assert evaluate_main([str(trained / "checkpoints" / "20"), *args, "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "needle.json").read_text())
+    grid = [(task, length, depth) for task in ("single", "multi_key") for length in lengths for depth in depths]
+    assert [(r["task"], r["length"], r["depth"]) for r in records] == grid
+    assert all(0.0 <= r["accuracy"] <= 1.0 for r in records)
+    assert (tmp_path / "needle.png").read_bytes()[:4] == b"\x89PNG"
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert "multi_key      384 tokens  depth 80%" in capsys.readouterr().out
+    assert evaluate_main([str(tmp_path / "nowhere"), *args]) == 2
+    assert "is neither a run directory" in capsys.readouterr().err

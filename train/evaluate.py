@@ -1,0 +1,164 @@
+"""`python -m train.evaluate RUN_DIR_OR_CHECKPOINT [--lengths 1024,4096] [--depths 0.1,0.5,0.9] [k=v ...]`: does the
+model retrieve what its context holds? Needle retrieval (train/needle.py) over a grid of lengths x depths for each
+task, on the parameters of a run's newest checkpoint (or of one step directory), over any mesh the overrides
+choose (e.g. mesh.context=8 parallel.context_strategy=ring for 128K rows).
+
+Writes OUT/needle.json (one record per task, length and depth with its accuracy over --samples haystacks),
+OUT/needle.png (one heatmap per task: depth x length) and TensorBoard scalars `needle/<task>/<length>/<depth>`
+under OUT/tensorboard. OUT is --out, else RUN_DIR/eval. The haystacks' filler is the run's held-out data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import matplotlib
+import numpy as np
+
+from parallel.configure import make_plan
+from parallel.mesh import MeshError, make_mesh
+from train.checkpoint import restore_model_params
+from train.config import ConfigError, check_built_mesh, load_config
+from train.data import held_out
+from train.errors import CheckpointError, DataError
+from train.needle import TASKS, build, model_predictor, score
+from train.sources import open_source
+from train.state import abstract_model
+from train.tokenizer import make_tokenizer
+
+matplotlib.use("Agg")  # files only, no display
+from matplotlib import pyplot
+
+
+def run_directory(path: pathlib.Path) -> pathlib.Path:
+    """The run directory of RUN_DIR (holds config.yaml) or of one of its step directories (RUN_DIR/checkpoints/N)."""
+    for candidate in (path, path.parent.parent):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a step directory of one")
+
+
+def filler_tokens(config, tokenizer, count: int) -> np.ndarray:
+    """At least `count` token ids of the run's held-out documents (all of them when fewer), in order."""
+    source, _, eval_indices = held_out(open_source(config.data), config.data.eval_fraction, config.data.seed)
+    if not len(eval_indices):
+        raise DataError("the run holds out no documents (data.eval_fraction=0): there is no filler for haystacks")
+    tokens, total = [], 0
+    for index in eval_indices:
+        tokens.append(tokenizer.encode(source[int(index)]))
+        total += len(tokens[-1])
+        if total >= count:
+            break
+    return np.concatenate([np.asarray(t, np.int32) for t in tokens])
+
+
+def needle_grid(predict, filler, tokenizer, *, tasks, lengths, depths, samples: int, seed: int) -> list[dict]:
+    """One record {task, length, depth, accuracy} per grid point, each over `samples` haystacks."""
+    rng, records = np.random.default_rng(seed), []
+    for task in tasks:
+        for length in lengths:
+            for depth in depths:
+                haystacks = [build(task, filler, tokenizer, length, depth, rng) for _ in range(samples)]
+                records.append({"task": task, "length": length, "depth": depth, "accuracy": score(predict, haystacks)})
+    return records
+
+
+def heatmap(records: list[dict], path: pathlib.Path) -> None:
+    """One panel per task: accuracy by depth (rows) and length (columns), written as a PNG."""
+    tasks = list(dict.fromkeys(r["task"] for r in records))
+    lengths = sorted({r["length"] for r in records})
+    depths = sorted({r["depth"] for r in records})
+    figure, axes = pyplot.subplots(
+        1, len(tasks), figsize=(1.2 + 1.1 * len(lengths) * len(tasks), 1 + 0.5 * len(depths))
+    )
+    for axis, task in zip(np.atleast_1d(axes), tasks, strict=True):
+        grid = np.full((len(depths), len(lengths)), np.nan)
+        for r in records:
+            if r["task"] == task:
+                grid[depths.index(r["depth"]), lengths.index(r["length"])] = r["accuracy"]
+        axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        axis.set_title(task)
+        axis.set_xticks(range(len(lengths)), [f"{n:,}" for n in lengths], rotation=45)
+        axis.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        axis.set_xlabel("length (tokens)")
+        axis.set_ylabel("needle depth")
+        for (i, j), value in np.ndenumerate(grid):
+            axis.text(j, i, f"{value:.0%}", ha="center", va="center", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    pyplot.close(figure)
+
+
+def evaluate(path: pathlib.Path, overrides, *, tasks, lengths, depths, samples: int, out: pathlib.Path | None) -> list:
+    """Runs the needle grid on the checkpoint at `path` and writes needle.json, needle.png and TensorBoard scalars
+    under `out` (default RUN_DIR/eval); returns the records."""
+    run_dir = run_directory(path)
+    config = load_config(run_dir / "config.yaml", overrides)
+    tokenizer = make_tokenizer(config.data.tokenizer)
+    filler = filler_tokens(config, tokenizer, max(lengths))
+    mesh = make_mesh(config.mesh)
+    check_built_mesh(config, mesh)
+    plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
+    graphdef, abstract = abstract_model(config.model, mesh, compute=config.compute)
+    state = restore_model_params(run_dir / "checkpoints" if path == run_dir else path, abstract)
+    predict = model_predictor(graphdef, state, mesh, plan)
+    records = needle_grid(
+        predict, filler, tokenizer, tasks=tasks, lengths=lengths, depths=depths, samples=samples, seed=config.train.seed
+    )
+    if jax.process_index() == 0:
+        out = out or run_dir / "eval"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "needle.json").write_text(json.dumps(records, indent=1) + "\n")
+        heatmap(records, out / "needle.png")
+        from tensorboardX import SummaryWriter
+
+        with SummaryWriter(str(out / "tensorboard")) as writer:
+            for r in records:
+                writer.add_scalar(f"needle/{r['task']}/{r['length']}/{r['depth']}", r["accuracy"])
+    return records
+
+
+def _numbers(kind, text: str) -> list:
+    try:
+        return [kind(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}") from None
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=pathlib.Path, help="a run directory, or one of its checkpoints/<step>")
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. mesh.context=8")
+    parser.add_argument("--lengths", type=lambda t: _numbers(int, t), default=[1024, 4096], help="tokens per row")
+    parser.add_argument("--depths", type=lambda t: _numbers(float, t), default=[0.1, 0.5, 0.9], help="0..1")
+    parser.add_argument("--tasks", type=lambda t: t.split(","), default=list(TASKS), help=", ".join(TASKS))
+    parser.add_argument("--samples", type=int, default=8, help="haystacks per grid point")
+    parser.add_argument("--out", type=pathlib.Path, help="output folder (default RUN_DIR/eval)")
+    args = parser.parse_intermixed_args(argv)
+    unknown = [task for task in args.tasks if task not in TASKS]
+    if unknown:
+        parser.error(f"--tasks {','.join(unknown)}: choose from {', '.join(TASKS)}")
+    try:
+        records = evaluate(
+            args.checkpoint.absolute(),
+            args.overrides,
+            tasks=args.tasks,
+            lengths=args.lengths,
+            depths=args.depths,
+            samples=args.samples,
+            out=args.out,
+        )
+    except (ConfigError, MeshError, DataError, CheckpointError, FileNotFoundError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for r in records:
+        print(f"{r['task']:>12} {r['length']:>8,} tokens  depth {r['depth']:.0%}  {r['accuracy']:.0%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
