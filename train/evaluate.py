@@ -11,6 +11,7 @@ under OUT/tensorboard. OUT is --out, else RUN_DIR/eval. The haystacks' filler is
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import pathlib
 import sys
@@ -23,10 +24,8 @@ from parallel.configure import make_plan
 from parallel.mesh import MeshError, make_mesh
 from train.checkpoint import restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
-from train.data import held_out
 from train.errors import CheckpointError, DataError
-from train.needle import TASKS, build, model_predictor, score
-from train.sources import open_source
+from train.needle import TASKS, filler_tokens, model_predictor, needle_grid
 from train.state import abstract_model
 from train.tokenizer import make_tokenizer
 
@@ -40,31 +39,6 @@ def run_directory(path: pathlib.Path) -> pathlib.Path:
         if (candidate / "config.yaml").is_file():
             return candidate
     raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a step directory of one")
-
-
-def filler_tokens(config, tokenizer, count: int) -> np.ndarray:
-    """At least `count` token ids of the run's held-out documents (all of them when fewer), in order."""
-    source, _, eval_indices = held_out(open_source(config.data), config.data.eval_fraction, config.data.seed)
-    if not len(eval_indices):
-        raise DataError("the run holds out no documents (data.eval_fraction=0): there is no filler for haystacks")
-    tokens, total = [], 0
-    for index in eval_indices:
-        tokens.append(tokenizer.encode(source[int(index)]))
-        total += len(tokens[-1])
-        if total >= count:
-            break
-    return np.concatenate([np.asarray(t, np.int32) for t in tokens])
-
-
-def needle_grid(predict, filler, tokenizer, *, tasks, lengths, depths, samples: int, seed: int) -> list[dict]:
-    """One record {task, length, depth, accuracy} per grid point, each over `samples` haystacks."""
-    rng, records = np.random.default_rng(seed), []
-    for task in tasks:
-        for length in lengths:
-            for depth in depths:
-                haystacks = [build(task, filler, tokenizer, length, depth, rng) for _ in range(samples)]
-                records.append({"task": task, "length": length, "depth": depth, "accuracy": score(predict, haystacks)})
-    return records
 
 
 def heatmap(records: list[dict], path: pathlib.Path) -> None:
@@ -105,7 +79,7 @@ def evaluate(path: pathlib.Path, overrides, *, tasks, lengths, depths, samples: 
     plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
     graphdef, abstract = abstract_model(config.model, mesh, compute=config.compute)
     state = restore_model_params(run_dir / "checkpoints" if path == run_dir else path, abstract)
-    predict = model_predictor(graphdef, state, mesh, plan)
+    predict = functools.partial(model_predictor(graphdef, mesh, plan), state)
     records = needle_grid(
         predict, filler, tokenizer, tasks=tasks, lengths=lengths, depths=depths, samples=samples, seed=config.train.seed
     )

@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import math
 import pathlib
 import signal
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import numpy as np
 import yaml
+from flax import nnx
 
 from parallel.configure import make_plan, to_layout
 from parallel.mesh import batch_sharding, make_mesh, process_rows
@@ -28,14 +32,22 @@ from train.errors import NonFiniteLoss
 from train.flops import flops_per_token, peak_flops_per_device
 from train.lock import run_directory_lock
 from train.metrics import MetricsLogger
+from train.needle import TASKS, filler_tokens, model_predictor, needle_grid
 from train.optimizer import learning_rate_schedule, make_optimizer
 from train.sample import generate
 from train.sources import open_source
-from train.state import TrainState, abstract_state, create_state
+from train.state import TrainState, abstract_model, abstract_state, create_state
 from train.step import make_eval_step, make_train_step
 from train.tokenizer import make_tokenizer
 
 log = logging.getLogger(__name__)
+
+
+class Evaluation(NamedTuple):
+    """What an evaluation runs: the held-out batches (None: no evaluation) and the needle grid (None: off)."""
+
+    dataset: object
+    needles: Callable[[nnx.State], dict[str, float]] | None
 
 
 class Stop:
@@ -85,6 +97,30 @@ def position_buckets(boundaries: tuple[int, ...], seq_len: int) -> tuple[tuple[i
     return tuple(itertools.pairwise(edges))
 
 
+def needle_evaluation(config: Config, mesh, plan, tokenizer):
+    """model state -> {needle/<task>: mean accuracy over train.needle_lengths x train.needle_depths}, on haystacks
+    of held-out text (the same every time), compiled once."""
+    t = config.train
+    predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, plan)
+    filler = filler_tokens(config, tokenizer, max(t.needle_lengths))
+
+    def scores(model_state) -> dict[str, float]:
+        records = needle_grid(
+            functools.partial(predictor, model_state),
+            filler,
+            tokenizer,
+            tasks=TASKS,
+            lengths=t.needle_lengths,
+            depths=t.needle_depths,
+            samples=t.needle_samples,
+            seed=t.seed,
+        )
+        by_task = {task: [r["accuracy"] for r in records if r["task"] == task] for task in TASKS}
+        return {f"needle/{task}": float(np.mean(accuracies)) for task, accuracies in by_task.items()}
+
+    return scores
+
+
 def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:
     """The whole batch (numpy [batch, length], the same in every process) -> global jax arrays sharded over the
     batch and sequence axes, each process placing its `rows` (`process_rows`)."""
@@ -113,6 +149,7 @@ def run(config: Config) -> dict:
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
     plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
+    needle_scores = needle_evaluation(config, mesh, plan, tokenizer) if t.needle_lengths else None
     check_run_directory(output, config)
     tx = make_optimizer(config.optimizer, t.steps)
     _, abstract, _ = abstract_state(config.model, tx, mesh, compute=config.compute)
@@ -142,7 +179,7 @@ def run(config: Config) -> dict:
                 mesh,
                 plan,
                 train_iter,
-                datasets.get("eval"),
+                Evaluation(datasets.get("eval"), needle_scores),
                 checkpoints,
                 start,
                 tokenizer,
@@ -164,9 +201,7 @@ def _initial_state(config: Config, checkpoints, train_iter, tx, mesh, seed) -> t
     return 0, train_state
 
 
-def _loop(
-    config, train_state, mesh, plan, train_iter, eval_dataset, checkpoints, start, tokenizer, main_process
-) -> dict:
+def _loop(config, train_state, mesh, plan, train_iter, evaluation, checkpoints, start, tokenizer, main_process) -> dict:
     t, output = config.train, pathlib.Path(config.train.output_dir)
     chunk = config.compute.loss_chunk_size
     train_step = make_train_step(train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps, plan=plan)
@@ -193,7 +228,7 @@ def _loop(
 
     def evaluate(state) -> dict[str, float]:
         """eval_loss, and eval_loss/pos_<start>_<end> for each position bucket that holds loss tokens."""
-        eval_iter = iter(eval_dataset)  # from its start: every evaluation sees the same held-out batches
+        eval_iter = iter(evaluation.dataset)  # from its start: every evaluation sees the same held-out batches
         sums = [jax.device_get(eval_step(state, device_batch(next(eval_iter)))) for _ in range(t.eval_batches)]
         eval_iter.close()
         totals, counts = (np.sum([s[i] for s in sums], axis=0) for i in (0, 1))
@@ -241,6 +276,8 @@ def _loop(
         )
         if eval_state is not None:
             values.update(evaluate(eval_state))
+            if evaluation.needles:
+                values.update(evaluation.needles(eval_state[0]))
         logger.log(step, values)
         last = {"step": step, **values}
         window.update(start=time.perf_counter(), steps=0)

@@ -23,6 +23,9 @@ from parallel import plan as plans
 from parallel.configure import to_layout
 from parallel.mesh import batch_sharding, batch_shards, length_shards
 from parallel.reorder import layout_index
+from train.data import held_out
+from train.errors import DataError
+from train.sources import open_source
 
 TASKS = ("single", "multi_key", "multi_value")
 NEEDLES = 4  # needles of the multi_key and multi_value tasks
@@ -98,10 +101,36 @@ def score(predict: Callable[[np.ndarray, np.ndarray], np.ndarray], haystacks: Se
     return float(np.mean(np.all(predicted == np.take_along_axis(tokens, answers, axis=1), axis=1)))
 
 
-def model_predictor(graphdef, state, mesh, plan: plans.Plan) -> Callable[[np.ndarray, np.ndarray], np.ndarray]:
-    """`predict(tokens, at)` for `score` from a model's graphdef and sharded state (the model alone): one forward
-    pass per call over `mesh`, the rows in `plan`'s sequence layout (context parallelism included), the head
-    applied only at the positions `at`."""
+def filler_tokens(config, tokenizer, count: int) -> np.ndarray:
+    """At least `count` token ids of the run's held-out documents (all of them when fewer), in order."""
+    source, _, eval_indices = held_out(open_source(config.data), config.data.eval_fraction, config.data.seed)
+    if not len(eval_indices):
+        raise DataError("the run holds out no documents (data.eval_fraction=0): there is no filler for haystacks")
+    tokens, total = [], 0
+    for index in eval_indices:
+        tokens.append(tokenizer.encode(source[int(index)]))
+        total += len(tokens[-1])
+        if total >= count:
+            break
+    return np.concatenate([np.asarray(t, np.int32) for t in tokens])
+
+
+def needle_grid(predict, filler, tokenizer, *, tasks, lengths, depths, samples: int, seed: int) -> list[dict]:
+    """One record {task, length, depth, accuracy} per grid point, each over `samples` haystacks."""
+    rng, records = np.random.default_rng(seed), []
+    for task in tasks:
+        for length in lengths:
+            for depth in depths:
+                haystacks = [build(task, filler, tokenizer, length, depth, rng) for _ in range(samples)]
+                records.append({"task": task, "length": length, "depth": depth, "accuracy": score(predict, haystacks)})
+    return records
+
+
+def model_predictor(graphdef, mesh, plan: plans.Plan) -> Callable[[nnx.State, np.ndarray, np.ndarray], np.ndarray]:
+    """`predict(state, tokens, at)`, which with a model state bound (functools.partial) is `score`'s predict: the
+    model of `graphdef` (the model alone) on its sharded `state`, one forward pass per call over `mesh`, the rows in
+    `plan`'s sequence layout (context parallelism included), the head applied only at the positions `at`. Compiled
+    once per shape, whatever the state."""
     context = mesh.shape["context"]
 
     @jax.jit
@@ -112,7 +141,7 @@ def model_predictor(graphdef, state, mesh, plan: plans.Plan) -> Callable[[np.nda
             picked = jnp.take_along_axis(hidden, at[..., None], axis=1)  # [rows, n, embed]
             return jnp.argmax(logits(picked, model.output_kernel(), compute_dtype(model.compute)), axis=-1)
 
-    def predict(tokens: np.ndarray, at: np.ndarray) -> np.ndarray:
+    def predict(state: nnx.State, tokens: np.ndarray, at: np.ndarray) -> np.ndarray:
         rows, length = tokens.shape
         if length % length_shards(mesh):
             raise ValueError(f"needle length {length} must be a multiple of {length_shards(mesh)} on this mesh")

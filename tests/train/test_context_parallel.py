@@ -44,6 +44,9 @@ RUN = [
     "train.log_every_steps=1",
     "train.eval_batches=1",
     "train.eval_position_buckets=[8, 32]",
+    "train.needle_lengths=[320]",
+    "train.needle_depths=[0.5]",
+    "train.needle_samples=2",
     "train.sample_tokens=0",
     "optimizer.warmup_steps=0",
     "optimizer.learning_rate=3e-3",
@@ -77,7 +80,8 @@ def test_ring_run_over_8_devices_logs_the_losses_of_one_context_device(tmp_path,
     one, ring = logged(tmp_path / "one"), logged(tmp_path / "ring")
     assert [r["step"] for r in ring] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["loss"] for r in ring], [r["loss"] for r in one], rtol=1e-5)
-    for key in ("eval_loss", "eval_loss/pos_0_8", "eval_loss/pos_8_32", "eval_loss/pos_32_64"):
+    needles = ("needle/single", "needle/multi_key", "needle/multi_value")
+    for key in ("eval_loss", "eval_loss/pos_0_8", "eval_loss/pos_8_32", "eval_loss/pos_32_64", *needles):
         np.testing.assert_allclose(ring[-1][key], one[-1][key], rtol=1e-5)
     assert ring[-1]["loss"] < ring[0]["loss"] - 0.1, ring
     assert "--- sample ---" in capfd.readouterr().out  # sampling after a context-parallel run (no plan)

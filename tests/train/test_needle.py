@@ -2,6 +2,8 @@
 scoring gives an oracle 100%, a uniform model 0% and a model that recalls only the first needle of a row the share
 of rows whose asked needle comes first."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -78,7 +80,7 @@ def predictor(host_state, mesh_config, parallel_config, devices):
     mesh = make_mesh(mesh_config, jax.devices()[:devices])
     graphdef, abstract = abstract_model(MODEL, mesh, compute=COMPUTE)
     state = jax.device_put(host_state[0], jax.tree.map(lambda a: a.sharding, abstract))
-    return model_predictor(graphdef, state, mesh, make_plan(parallel_config, mesh.shape))
+    return functools.partial(model_predictor(graphdef, mesh, make_plan(parallel_config, mesh.shape)), state)
 
 
 def test_model_predictions_are_the_argmax_of_the_full_logits_on_any_mesh(host_state):

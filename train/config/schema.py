@@ -56,6 +56,11 @@ class TrainConfig:
     # token positions within a document where the eval loss is split: [1024, 4096] reports eval_loss/pos_0_1024,
     # eval_loss/pos_1024_4096 and eval_loss/pos_4096_<seq_len> beside eval_loss
     eval_position_buckets: tuple[int, ...] = ()
+    # needle retrieval at every evaluation (train/needle.py): rows of these lengths, the asked needle at these
+    # depths, needle_samples haystacks per point; logged as needle/<task>, the mean accuracy over the grid
+    needle_lengths: tuple[int, ...] = ()  # () = off
+    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
+    needle_samples: int = 4
     seed: int = 0
     progress_bar: bool = True
     sample_tokens: int = 120

@@ -62,6 +62,7 @@ NON_NEGATIVE = (
     "optimizer.clip_norm",
     "train.eval_every_steps",
     "train.eval_batches",
+    "train.needle_samples",
     "train.sample_tokens",
     "data.max_documents",
     "train.sample_temperature",
@@ -94,6 +95,15 @@ def validate(config: Config) -> None:
     require(
         d.eval_fraction > 0 or t.eval_batches == 0,
         f"data.eval_fraction=0 holds out no documents, so train.eval_batches={t.eval_batches} must be 0",
+    )
+    require(
+        all(n > 0 for n in t.needle_lengths) and all(0 <= d <= 1 for d in t.needle_depths),
+        f"train.needle_lengths={list(t.needle_lengths)} must be positive token counts and train.needle_depths="
+        f"{list(t.needle_depths)} fractions in [0, 1]",
+    )
+    require(
+        not t.needle_lengths or t.eval_batches > 0,
+        "train.needle_lengths runs at each evaluation: set train.eval_batches > 0 (and data.eval_fraction > 0)",
     )
     buckets = t.eval_position_buckets
     require(
