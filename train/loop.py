@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-import itertools
 import logging
 import math
 import pathlib
@@ -32,12 +30,12 @@ from train.errors import NonFiniteLoss
 from train.flops import flops_per_token, peak_flops_per_device
 from train.lock import run_directory_lock
 from train.metrics import MetricsLogger
-from train.needle import TASKS, filler_tokens, model_predictor, needle_grid
+from train.needle import needle_evaluation
 from train.optimizer import learning_rate_schedule, make_optimizer
 from train.sample import generate
 from train.sources import open_source
-from train.state import TrainState, abstract_model, abstract_state, create_state
-from train.step import make_eval_step, make_train_step
+from train.state import TrainState, abstract_state, create_state
+from train.step import make_eval_step, make_train_step, position_buckets
 from train.tokenizer import make_tokenizer
 
 log = logging.getLogger(__name__)
@@ -86,39 +84,6 @@ def check_run_directory(output: pathlib.Path, config: Config) -> None:
                     f"the new setting, start a new train.output_dir with checkpoint.init_from={str(output)!r}"
                     f"/checkpoints"
                 )
-
-
-def position_buckets(boundaries: tuple[int, ...], seq_len: int) -> tuple[tuple[int, int], ...]:
-    """train.eval_position_buckets [b1, ..., bn] -> ((0, b1), (b1, b2), ..., (bn, seq_len)), boundaries at or past
-    seq_len left out (a shorter run of the same recipe); () when none."""
-    if not boundaries:
-        return ()
-    edges = (0, *(b for b in boundaries if b < seq_len), seq_len)
-    return tuple(itertools.pairwise(edges))
-
-
-def needle_evaluation(config: Config, mesh, plan, tokenizer):
-    """model state -> {needle/<task>: mean accuracy over train.needle_lengths x train.needle_depths}, on haystacks
-    of held-out text (the same every time), compiled once."""
-    t = config.train
-    predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, plan)
-    filler = filler_tokens(config, tokenizer, max(t.needle_lengths))
-
-    def scores(model_state) -> dict[str, float]:
-        records = needle_grid(
-            functools.partial(predictor, model_state),
-            filler,
-            tokenizer,
-            tasks=TASKS,
-            lengths=t.needle_lengths,
-            depths=t.needle_depths,
-            samples=t.needle_samples,
-            seed=t.seed,
-        )
-        by_task = {task: [r["accuracy"] for r in records if r["task"] == task] for task in TASKS}
-        return {f"needle/{task}": float(np.mean(accuracies)) for task, accuracies in by_task.items()}
-
-    return scores
 
 
 def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:

@@ -10,6 +10,7 @@ key, all asked for in order of appearance).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -26,6 +27,7 @@ from parallel.reorder import layout_index
 from train.data import held_out
 from train.errors import DataError
 from train.sources import open_source
+from train.state import abstract_model
 
 TASKS = ("single", "multi_key", "multi_value")
 NEEDLES = 4  # needles of the multi_key and multi_value tasks
@@ -160,6 +162,30 @@ def model_predictor(graphdef, mesh, plan: plans.Plan) -> Callable[[nnx.State, np
         return np.asarray(predicted)[:rows]
 
     return predict
+
+
+def needle_evaluation(config, mesh, plan, tokenizer) -> Callable[[nnx.State], dict[str, float]]:
+    """The training run's needle check: model state -> {needle/<task>: mean accuracy over train.needle_lengths x
+    train.needle_depths}, on haystacks of held-out text (the same every time), compiled once."""
+    t = config.train
+    predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, plan)
+    filler = filler_tokens(config, tokenizer, max(t.needle_lengths))
+
+    def scores(model_state) -> dict[str, float]:
+        records = needle_grid(
+            functools.partial(predictor, model_state),
+            filler,
+            tokenizer,
+            tasks=TASKS,
+            lengths=t.needle_lengths,
+            depths=t.needle_depths,
+            samples=t.needle_samples,
+            seed=t.seed,
+        )
+        by_task = {task: [r["accuracy"] for r in records if r["task"] == task] for task in TASKS}
+        return {f"needle/{task}": float(np.mean(accuracies)) for task, accuracies in by_task.items()}
+
+    return scores
 
 
 _KEY_WORDS = (

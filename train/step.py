@@ -5,6 +5,8 @@ configured context strategy on batches already in the plan's sequence layout."""
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -81,6 +83,15 @@ def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, pla
     return jax.jit(
         step, in_shardings=(train_state.shardings, data), out_shardings=(train_state.shardings, None), donate_argnums=0
     )
+
+
+def position_buckets(boundaries: tuple[int, ...], seq_len: int) -> tuple[tuple[int, int], ...]:
+    """train.eval_position_buckets [b1, ..., bn] -> ((0, b1), (b1, b2), ..., (bn, seq_len)), boundaries at or past
+    seq_len left out (a shorter run of the same recipe); () when none."""
+    if not boundaries:
+        return ()
+    edges = (0, *(b for b in boundaries if b < seq_len), seq_len)
+    return tuple(itertools.pairwise(edges))
 
 
 def position_weights(batch, buckets) -> jax.Array:

@@ -15,6 +15,7 @@ import train.memory
 from models.remat import POLICIES, RematError, check_policy, remat
 from parallel.configure import make_plan
 from parallel.mesh import batch_sharding, make_mesh
+from tests.train import tiny_run
 from train.__main__ import DOES_NOT_FIT, main
 from train.config import ConfigError, load_config
 from train.data import BATCH_FIELDS, build_dataset
@@ -26,12 +27,7 @@ from train.tokenizer import make_tokenizer
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 SMALL = [
-    "model.embed_dim=64",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=32",
-    "model.mlp_dim=128",
+    *tiny_run.MODEL,
     "compute.dtype=float32",
     "data.seq_len=64",
     "data.max_documents=20",

@@ -5,13 +5,16 @@ import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = REPO / "configs" / "tiny.yaml"
-SMALL = [
+MODEL = [
     "model.embed_dim=64",
     "model.num_layers=2",
     "model.num_heads=2",
     "model.num_kv_heads=1",
     "model.head_dim=32",
     "model.mlp_dim=128",
+]
+SMALL = [
+    *MODEL,
     "data.seq_len=64",
     "data.max_documents=60",
     "train.batch_size=8",
