@@ -125,8 +125,7 @@ def attention_kernel(parallel, platform: str) -> str:
 def make_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> Plan:
     """The plan for the traced steps on devices of `platform`: strategy, mesh axis ("context"; usp: ("context",
     "ulysses")), layout for the context size in `sizes`, stripe, the attention kernel and its block sizes, scattered
-    tensor parallelism
-    and the MoE dispatch (`expert_dispatch`). The mesh comes from `jax.set_mesh`."""
+    tensor parallelism and the MoE dispatch (`expert_dispatch`). The mesh comes from `jax.set_mesh`."""
     strategy = parallel.context_strategy
     return Plan(
         strategy=strategy,

@@ -122,7 +122,7 @@ class Checkpointer:
         return CheckpointError(
             f"{what}{cause}; "
             + (f"the checkpoints saved before it are intact (steps {kept})" if kept else "no checkpoint is saved yet")
-            + ". Free some space (or move the run), then rerun the same command to resume"
+            + ". Fix the cause (e.g. free disk space), then rerun the same command to resume"
         )
 
     def restore_latest(

@@ -1,7 +1,7 @@
 """One attention kernel interface for every strategy: `attention` (differentiable in q, k, v and lse) and, through
 `select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
-lse). Behind it: Pallas kernels on GPU (parallel/kernels/pallas.py; interpret mode runs them on CPU), and the
-blockwise kernel (parallel/blockwise.py) on CPU and as the reference."""
+lse). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs them on CPU), and the
+blockwise kernel (parallel/blockwise.py), the default and the reference."""
 
 from __future__ import annotations
 
@@ -29,15 +29,14 @@ class Kernel(NamedTuple):
 
 
 def select(kernel: str = "auto", *, interpret: bool = False, backend: str | None = None) -> Kernel:
-    """The kernel named `kernel` (auto: pallas on GPU, blockwise elsewhere) for `backend` (default: JAX's).
+    """The kernel named `kernel` for `backend` (default: JAX's). auto = blockwise on every backend for now: the
+    Pallas kernels are opt-in on GPU until they have run on one (their Triton lowering is untested).
     `interpret=True` runs the Pallas kernels in interpret mode (any backend). Raises ValueError naming the
     kernel when it is unknown or cannot run on the backend."""
     backend = backend or jax.default_backend()
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
-    if kernel == "auto":
-        kernel = "pallas" if backend == "gpu" or interpret else "blockwise"
-    if kernel == "blockwise":
+    if kernel in ("auto", "blockwise"):
         return Kernel("blockwise", blockwise.forward, blockwise.backward)
     if backend != "gpu" and not interpret:
         raise ValueError(

@@ -164,8 +164,8 @@ def test_plan_from_config(parallel_config, sizes, expected):
 
 
 def test_attention_kernel_by_platform():
-    assert make_plan(ParallelConfig(), {}, "gpu").kernel == "pallas"
-    assert make_plan(ParallelConfig(attention_kernel="blockwise"), {}, "gpu").kernel == "blockwise"
+    assert make_plan(ParallelConfig(), {}, "gpu").kernel == "blockwise"
+    assert make_plan(ParallelConfig(attention_kernel="pallas"), {}, "gpu").kernel == "pallas"
     with pytest.raises(MeshError, match=r"attention_kernel='pallas': attention kernel 'pallas' compiles for GPU"):
         make_plan(ParallelConfig(attention_kernel="pallas"), {}, "cpu")
 

@@ -103,7 +103,7 @@ class ParallelConfig:
     stripe: int = 1  # tokens per stripe for the striped layout
     block_q: int = 512  # attention kernel block sizes
     block_kv: int = 512
-    attention_kernel: str = "auto"  # pallas (GPU) | blockwise | auto: pallas on GPU, blockwise elsewhere
+    attention_kernel: str = "auto"  # auto (blockwise) | pallas (GPU; opt-in until run on one) | blockwise
     fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
     expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices
