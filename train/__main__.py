@@ -119,7 +119,8 @@ def main(argv=None) -> int:
     if not args.distributed and cluster_flags != (None, None, None):
         parser.error("--coordinator, --num-processes and --process-id go with --distributed")
     default_xla_flags()
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # force: an imported library may have configured the root logger already, hiding our INFO lines
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:

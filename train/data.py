@@ -21,6 +21,7 @@ Everything runs in this process (a few reader threads, one prefetch thread); no 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import TYPE_CHECKING, Any
 
 import grain
@@ -33,6 +34,7 @@ from train.tokenizer import Tokenizer
 if TYPE_CHECKING:  # the run config imports this module's registries
     from train.config.schema import DataConfig
 
+log = logging.getLogger(__name__)
 PACKINGS = ("concat", "first_fit")
 # the arrays of a batch, each [rows, seq_len], and their dtypes
 BATCH_FIELDS = {
@@ -77,6 +79,35 @@ class _HeadAndTail:
         text = self.source[0]
         cut = len(text) - min(max(1, round(len(text) * self.fraction)), len(text) - 1)
         return (text[:cut], text[cut:])[index]
+
+    def sizes(self) -> np.ndarray:
+        size = int(self.source.sizes()[0])
+        tail = round(size * self.fraction)
+        return np.asarray([size - tail, tail], np.int64)
+
+
+def upsample(indices: np.ndarray, long: np.ndarray, weight: float, seed: int) -> np.ndarray:
+    """`indices` with each one flagged `long` repeated `weight` times (a fraction by a seeded coin, so that the
+    expected count is `weight`), the others once; in their order."""
+    whole, fraction = divmod(weight, 1.0)
+    coin = np.random.default_rng(np.random.SeedSequence([seed, 1])).random(len(indices)) < fraction
+    return np.repeat(indices, np.where(long, int(whole) + coin, 1))
+
+
+def describe_sizes(sizes: np.ndarray, long: np.ndarray, weight: float) -> str:
+    """One log line: documents by size (powers of 4 KiB) and the long documents' share of bytes before and after
+    upsampling."""
+    edges = [0, 4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, np.inf]
+    counts, _ = np.histogram(sizes, bins=edges)
+    labels = ["<4K", "4K-16K", "16K-64K", "64K-256K", "256K-1M", ">=1M"]
+    total = max(int(sizes.sum()), 1)
+    share = sizes[long].sum() / total
+    after = weight * share / (weight * share + (1 - share)) if share < 1 else 1.0
+    histogram = ", ".join(f"{label}: {count}" for label, count in zip(labels, counts, strict=True) if count)
+    return (
+        f"train documents by size in bytes ({histogram}); long documents: {int(long.sum())} of {len(sizes)}, "
+        f"{share:.1%} of the bytes, {after:.1%} after upsampling x{weight:g}"
+    )
 
 
 def held_out(source: Source, eval_fraction: float, seed: int) -> tuple[Source, np.ndarray, np.ndarray]:
@@ -232,6 +263,11 @@ def build_dataset(
 
     source, train_idx, eval_idx = held_out(open_source(cfg) if source is None else source, cfg.eval_fraction, cfg.seed)
     doc_indices = train_idx if split == "train" else eval_idx
+    if split == "train" and cfg.long_document_bytes and cfg.long_document_weight != 1.0 and len(doc_indices):
+        sizes = source.sizes()[doc_indices]
+        long = sizes >= cfg.long_document_bytes
+        log.info("%s", describe_sizes(sizes, long, cfg.long_document_weight))
+        doc_indices = upsample(doc_indices, long, cfg.long_document_weight, cfg.seed)
     if len(doc_indices) == 0:
         raise DataError(
             f"split={split!r} has no documents: {len(source)} documents in data.source="

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from train.errors import DataError
@@ -50,6 +51,8 @@ class Source(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: int) -> str: ...
+
+    def sizes(self) -> np.ndarray: ...  # [len] int64: each document's size in bytes, known without reading it
 
 
 def _unreadable(what: str, error: Exception) -> DataError:
@@ -133,6 +136,9 @@ class TextFiles:
     def __getitem__(self, index: int) -> str:
         return _read(self.paths[index]).decode("utf-8", errors="replace")
 
+    def sizes(self) -> np.ndarray:
+        return np.asarray([os.path.getsize(path) for path in self.paths], np.int64)
+
 
 def stdlib_source() -> TextFiles:
     """The standard library's UTF-8 `*.py` files (installed packages excluded), sorted by path."""
@@ -176,6 +182,9 @@ class JsonlFile:
         line = _read(self.path, int(self._starts[index]), int(self._lengths[index]))
         return self._text(line, int(self._line_numbers[index]))
 
+    def sizes(self) -> np.ndarray:
+        return self._lengths.copy()  # the whole line: the text and its JSON around it
+
     def _text(self, line: bytes, number: int) -> str:
         """The document on `line`, line `number` of the file; a DataError naming file:line if the line is not a
         JSON object with a string field text_field."""
@@ -218,6 +227,7 @@ class ParquetFile:
             raise DataError(f"{self.path} has no column {text_field!r} (data.text_field); available columns: {columns}")
         counts = [metadata.metadata.row_group(g).num_rows for g in range(metadata.num_row_groups)]
         self._group_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._sizes: np.ndarray | None = None
         self._open()
 
     def _parquet(self) -> pq.ParquetFile:
@@ -258,6 +268,16 @@ class ParquetFile:
                 self._cache.popitem(last=False)
             return rows
 
+    def sizes(self) -> np.ndarray:
+        """Read once, column only (Parquet stores the strings' lengths with them)."""
+        if self._sizes is None:
+            try:
+                column = self._parquet().read(columns=[self.text_field]).column(0)
+            except (OSError, pa.ArrowException) as error:
+                raise _unreadable(f"{self.path} as Parquet", error) from None
+            self._sizes = pc.fill_null(pc.binary_length(column), 0).to_numpy().astype(np.int64)
+        return self._sizes
+
     def __getitem__(self, index: int) -> str:
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range for {self.path} with {len(self)} rows")
@@ -284,6 +304,9 @@ class Concat:
         part = bisect.bisect_right(self._ends, index)
         return self.parts[part][index - (self._ends[part - 1] if part else 0)]
 
+    def sizes(self) -> np.ndarray:
+        return np.concatenate([part.sizes() for part in self.parts]) if self.parts else np.zeros(0, np.int64)
+
 
 class Head:
     """The first `count` documents of `source`."""
@@ -299,6 +322,9 @@ class Head:
         if not 0 <= index < self.count:
             raise IndexError(f"document {index} out of range for {self.count} documents")
         return self.source[index]
+
+    def sizes(self) -> np.ndarray:
+        return self.source.sizes()[: self.count]
 
 
 READERS = {"jsonl": JsonlFile, "parquet": ParquetFile}

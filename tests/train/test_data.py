@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from train.config import DataConfig
-from train.data import build_dataset, pack, split_indices
+from train.data import build_dataset, pack, split_indices, upsample
 from train.errors import DataError
 from train.sources import open_source, stdlib_source
 from train.tokenizer import ByteTokenizer
@@ -116,6 +116,39 @@ def test_parquet_reads_rows_across_row_groups(tmp_path):
     assert len(source) == 7
     assert [source[i] for i in (6, 0, 3, 4, 1)] == [texts[i] for i in (6, 0, 3, 4, 1)]
     assert pickle.loads(pickle.dumps(source))[5] == texts[5]
+
+
+def test_every_source_knows_its_document_sizes_without_reading_them(corpus, tmp_path):
+    assert open_source(config(corpus)).sizes().tolist() == [len(doc.encode()) for doc in DOCS]
+    assert open_source(config(corpus, max_documents=3)).sizes().tolist() == [len(doc.encode()) for doc in DOCS[:3]]
+    jsonl = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": text}) for text in ("a", "bbbb")]
+    jsonl.write_text("\n".join(lines) + "\n")
+    assert open_source(config(jsonl)).sizes().tolist() == [len(line) + 1 for line in lines]
+    parquet = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": ["ab", "✓", "abcdef"]}), parquet, row_group_size=2)
+    assert open_source(config(parquet)).sizes().tolist() == [2, 3, 6]
+
+
+def test_upsampling_repeats_long_documents_by_their_weight():
+    indices, long = np.arange(20000), np.arange(20000) % 10 == 0
+    repeated = upsample(indices, long, 2.5, seed=0)
+    counts = np.bincount(repeated, minlength=len(indices))
+    assert set(counts[~long]) == {1} and set(counts[long]) == {2, 3}
+    assert abs(counts[long].sum() - 2.5 * long.sum()) < 4 * np.sqrt(0.25 * long.sum())  # within sampling error
+    assert np.array_equal(upsample(indices, long, 2.5, seed=0), repeated)
+    assert np.array_equal(np.unique(upsample(indices, long, 1.0, seed=0)), indices)
+
+
+def test_an_upsampled_epoch_holds_each_long_document_weight_times(corpus):
+    cfg = config(corpus, long_document_bytes=40, long_document_weight=3.0)
+    batches = list(build_dataset(cfg, TOK, batch_size=1, num_epochs=1))
+    stream = np.concatenate([row["tokens"][row["segment_ids"] > 0] for row in rows(batches)])
+    starts = np.flatnonzero(stream == TOK.bos_id)
+    seen = [TOK.decode(doc) for doc in np.split(stream, starts[1:])]
+    for doc in DOCS:
+        assert sum(text.startswith(doc) for text in seen) == (3 if len(doc) >= 40 else 1), doc
+    assert 0 < sum(len(doc) >= 40 for doc in DOCS) < len(DOCS)
 
 
 def test_parquet_missing_column_lists_columns(tmp_path):
@@ -277,7 +310,8 @@ def test_epochs_are_reshuffled(corpus):
 @pytest.mark.parametrize("packing", ["concat", "first_fit"])
 @pytest.mark.parametrize("k", [0, 1, 5])
 def test_exact_resume_from_json_state(corpus, packing, k):
-    cfg = config(corpus, shuffle=True, packing=packing, eval_fraction=0.1)
+    upsampling = dict(long_document_bytes=30, long_document_weight=2.5) if packing == "concat" else {}
+    cfg = config(corpus, shuffle=True, packing=packing, eval_fraction=0.1, **upsampling)
     it = iter(build_dataset(cfg, TOK, batch_size=2))
     for _ in range(k):
         next(it)

@@ -25,6 +25,10 @@ class DataConfig:
     max_documents: int = 0  # 0 = all
     add_bos: bool = True
     add_eos: bool = True
+    # long-document upsampling in the train split: documents of at least long_document_bytes (about 4 bytes per
+    # token) appear long_document_weight times per epoch (a fraction by a seeded coin); 0 / 1 = off
+    long_document_bytes: int = 0
+    long_document_weight: float = 1.0
 
 
 @dataclass(frozen=True)

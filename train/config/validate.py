@@ -57,6 +57,8 @@ POSITIVE = (
 )
 NON_NEGATIVE = (
     "optimizer.warmup_steps",
+    "data.long_document_bytes",
+    "data.long_document_weight",
     "optimizer.decay_steps",
     "optimizer.weight_decay",
     "optimizer.clip_norm",
