@@ -68,14 +68,15 @@ def build(task: str, filler: Sequence[int], tokenizer, length: int, depth: float
     )
     question_ids = tokenizer.encode(question)
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    answer_length = len(tokenizer.encode(" " + ", ".join(values if task == "multi_value" else values[:1])))
-    budget = length - len(bos) - sum(map(len, needles)) - len(question_ids) - answer_length
+    answer_ids = tokenizer.encode(" " + ", ".join(values if task == "multi_value" else values[:1]))
+    budget = length - len(bos) - sum(map(len, needles)) - len(question_ids) - len(answer_ids)
     if budget < 1:
         raise ValueError(f"a {task} haystack needs more than {length - budget} tokens; got length {length}")
     hay = np.resize(np.asarray(filler, np.int32), budget)
     cuts = [round(depth * budget), *sorted(rng.integers(0, budget + 1, size=count - 1))]
     order = np.argsort(cuts, kind="stable")  # needles in filler order; the asked one keeps index 0 in `starts`
-    answer_ids = tokenizer.encode(" " + ", ".join([values[i] for i in order] if task == "multi_value" else values[:1]))
+    if task == "multi_value":  # the k-th needle of the row holds the k-th value of the answer
+        needles = [needles[int(np.flatnonzero(order == i)[0])] for i in range(count)]
     pieces, starts, position, done = [np.asarray(bos, np.int32)], [0] * count, len(bos), 0
     for i in order:
         pieces.append(hay[done : cuts[i]])
