@@ -114,14 +114,14 @@ def run(config: Config) -> dict:
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
     plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
-    needle_scores = needle_evaluation(config, mesh, plan, tokenizer) if t.needle_lengths else None
+    needle_scores = needle_evaluation(config, mesh, plan, tokenizer, source) if t.needle_lengths else None
     check_run_directory(output, config)
     tx = make_optimizer(config.optimizer, t.steps)
-    _, abstract, _ = abstract_state(config.model, tx, mesh, compute=config.compute)
+    abstract = abstract_state(config.model, tx, mesh, compute=config.compute)  # (graphdef, state, shardings)
     resuming = config.checkpoint.enabled and has_checkpoints(output / "checkpoints")
     # seeding parameters is the last check that can fail on the configuration: before the run directory is made
     seed = (
-        restore_model_params(config.checkpoint.init_from, abstract[0])
+        restore_model_params(config.checkpoint.init_from, abstract[1][0])
         if config.checkpoint.init_from and not resuming
         else None
     )
@@ -134,7 +134,7 @@ def run(config: Config) -> dict:
             else None
         )
         train_iter = iter(datasets["train"])
-        start, train_state = _initial_state(config, checkpoints, train_iter, tx, mesh, seed)
+        start, train_state = _initial_state(config, checkpoints, train_iter, tx, mesh, abstract, seed)
         if main_process:  # once the state fits the run: a refused resume leaves the directory as it was
             (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
         with jax.set_mesh(mesh):
@@ -152,10 +152,10 @@ def run(config: Config) -> dict:
             )
 
 
-def _initial_state(config: Config, checkpoints, train_iter, tx, mesh, seed) -> tuple[int, TrainState]:
+def _initial_state(config: Config, checkpoints, train_iter, tx, mesh, abstract, seed) -> tuple[int, TrainState]:
     """(step, state) of the newest checkpoint (the iterator restored with it), else fresh parameters at step 0
     (replaced by `seed`, checkpoint.init_from's parameters, when given)."""
-    graphdef, abstract, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
+    graphdef, abstract, shardings = abstract
     restored = checkpoints.restore_latest(abstract, train_iter, to_dict(config)) if checkpoints else None
     if restored:
         log.info("resumed from step %d", restored[0])

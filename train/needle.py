@@ -104,9 +104,11 @@ def score(predict: Callable[[np.ndarray, np.ndarray], np.ndarray], haystacks: Se
     return float(np.mean(np.all(predicted == np.take_along_axis(tokens, answers, axis=1), axis=1)))
 
 
-def filler_tokens(config, tokenizer, count: int) -> np.ndarray:
-    """At least `count` token ids of the run's held-out documents (all of them when fewer), in order."""
-    source, _, eval_indices = held_out(open_source(config.data), config.data.eval_fraction, config.data.seed)
+def filler_tokens(config, tokenizer, count: int, source=None) -> np.ndarray:
+    """At least `count` token ids of the run's held-out documents (all of them when fewer), in order. `source`:
+    the run's opened data source (default: open_source(config.data))."""
+    source = open_source(config.data) if source is None else source
+    source, _, eval_indices = held_out(source, config.data.eval_fraction, config.data.seed)
     if not len(eval_indices):
         raise DataError("the run holds out no documents (data.eval_fraction=0): there is no filler for haystacks")
     tokens, total = [], 0
@@ -165,12 +167,13 @@ def model_predictor(graphdef, mesh, plan: plans.Plan) -> Callable[[nnx.State, np
     return predict
 
 
-def needle_evaluation(config, mesh, plan, tokenizer) -> Callable[[nnx.State], dict[str, float]]:
+def needle_evaluation(config, mesh, plan, tokenizer, source) -> Callable[[nnx.State], dict[str, float]]:
     """The training run's needle check: model state -> {needle/<task>: mean accuracy over train.needle_lengths x
-    train.needle_depths}, on haystacks of held-out text (the same every time), compiled once."""
+    train.needle_depths}, on haystacks of held-out text from the run's opened `source` (the same every time),
+    compiled once."""
     t = config.train
     predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, plan)
-    filler = filler_tokens(config, tokenizer, max(t.needle_lengths))
+    filler = filler_tokens(config, tokenizer, max(t.needle_lengths), source)
 
     def scores(model_state) -> dict[str, float]:
         records = needle_grid(

@@ -28,22 +28,25 @@ def _build(model_config: ModelConfig, compute: ComputeConfig, tx, seed: int):
     return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def abstract_state(
-    model_config: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, *, compute: ComputeConfig = ComputeConfig()
-):
-    """(graphdef, abstract state with shardings, shardings) without allocating any parameter."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: _build(model_config, compute, tx, 0)))
+def _abstract(build, mesh: Mesh):
+    """(graphdef, abstract state with shardings, shardings) of what `build()` makes, without allocating it."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(build))
     shardings = state_shardings(abstract, mesh)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     return graphdef, abstract, shardings
 
 
+def abstract_state(
+    model_config: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh, *, compute: ComputeConfig = ComputeConfig()
+):
+    """(graphdef, abstract state with shardings, shardings) of (model, optimizer) without allocating any parameter."""
+    return _abstract(lambda: _build(model_config, compute, tx, 0), mesh)
+
+
 def abstract_model(model_config: ModelConfig, mesh: Mesh, *, compute: ComputeConfig = ComputeConfig()):
     """(graphdef, abstract state with shardings) of the model alone, without allocating it: what evaluation of a
     checkpoint's parameters needs (no optimizer state)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.build(model_config, compute, rngs=nnx.Rngs(0))))
-    shardings = state_shardings(abstract, mesh)
-    return graphdef, jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return _abstract(lambda: models.build(model_config, compute, rngs=nnx.Rngs(0)), mesh)[:2]
 
 
 def create_state(
