@@ -1,6 +1,7 @@
 """Grain input pipeline: documents -> token ids -> packed rows of seq_len tokens -> numpy batches.
 
-    held-out split -> doc indices -> shuffle + repeat (train) -> tokenize -> (inputs, targets)
+    held-out split -> doc indices -> upsample long documents, shuffle + repeat (train)
+    -> mix the components of data.mixture by weight -> tokenize -> (inputs, targets)
     -> pack (concat: split documents across rows | first_fit: cut to seq_len, pad rows)
     -> model fields -> batch -> thread prefetch
 
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import grain
 import numpy as np
 
 from train.errors import DataError
-from train.sources import Source, open_source
+from train.sources import Concat, Mixture, Source, open_source
 from train.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the run config imports this module's registries
@@ -120,6 +122,48 @@ def held_out(source: Source, eval_fraction: float, seed: int) -> tuple[Source, n
     if len(source) == 1 and eval_fraction > 0:
         return _HeadAndTail(source, eval_fraction), np.array([0]), np.array([1])
     return source, *split_indices(len(source), eval_fraction, seed)
+
+
+def splits(source: Source, cfg: DataConfig) -> tuple[Source, list[np.ndarray], list[np.ndarray]]:
+    """(documents, train indices, eval indices): one int64 array per component into `documents` (one for a plain
+    source). Each component of a Mixture is held out on its own (held_out, seed cfg.seed + its index), so the eval
+    split keeps the mix; `documents` is then their Concat."""
+    parts = source.parts if isinstance(source, Mixture) else [source]
+    documents, train, held, offset = [], [], [], 0
+    for i, part in enumerate(parts):
+        docs, train_idx, eval_idx = held_out(part, cfg.eval_fraction, cfg.seed + i)
+        documents.append(docs)
+        train.append(train_idx + offset)
+        held.append(eval_idx + offset)
+        offset += len(docs)
+    return (Concat(documents) if isinstance(source, Mixture) else documents[0]), train, held
+
+
+def _upsampled(documents: Source, indices: np.ndarray, cfg: DataConfig, name: str) -> np.ndarray:
+    """Train `indices` with their long documents upsampled (data.long_document_*), the size histogram logged."""
+    if not (cfg.long_document_bytes and cfg.long_document_weight != 1.0 and len(indices)):
+        return indices
+    sizes = documents.sizes()[indices]
+    long = sizes >= cfg.long_document_bytes
+    log.info("%s%s", name, describe_sizes(sizes, long, cfg.long_document_weight))
+    return upsample(indices, long, cfg.long_document_weight, cfg.seed)
+
+
+def document_weights(documents: Source, indices: Sequence[np.ndarray], byte_shares: np.ndarray) -> np.ndarray:
+    """Per-component probabilities of drawing a document so that component i gets byte_shares[i] of the bytes in
+    expectation: its share over its mean document size (the `indices`' sizes), normalized. [components] float64."""
+    means = np.asarray([max(float(documents.sizes()[idx].mean()), 1.0) if len(idx) else 1.0 for idx in indices])
+    weights = byte_shares / means
+    return weights / weights.sum()
+
+
+def describe_mixture(names: Sequence[str], counts: Sequence[int], shares: np.ndarray, weights: np.ndarray) -> str:
+    """One log line: each component's share of the bytes and of the documents drawn, and its document count."""
+    parts = [
+        f"{name}: {share:.1%} of the bytes, {weight:.1%} of the documents ({count} documents)"
+        for name, count, share, weight in zip(names, counts, shares, weights, strict=True)
+    ]
+    return "train mixture: " + "; ".join(parts)
 
 
 class _Tokenize:
@@ -232,6 +276,17 @@ class _JsonStateIterDataset(grain.IterDataset):
         return _JsonStateIterator(self._parent.__iter__())
 
 
+def _documents(indices: np.ndarray, cfg: DataConfig, split: str, num_epochs: int | None, component: int):
+    """MapDataset of document indices: the train split shuffled (each epoch anew, seeded by cfg.seed and the
+    mixture component), then repeated num_epochs times (None: forever)."""
+    docs = grain.MapDataset.source(indices)
+    if split == "train" and cfg.shuffle:
+        # Grain reseeds epoch e with seed + e; a hashed seed keeps runs with seeds s and s+1 apart.
+        entropy = cfg.seed if component == 0 else [cfg.seed, component]
+        docs = docs.shuffle(seed=int(np.random.SeedSequence(entropy).generate_state(1)[0]))
+    return docs.repeat(num_epochs)
+
+
 def build_dataset(
     cfg: DataConfig,
     tokenizer: Tokenizer,
@@ -249,8 +304,12 @@ def build_dataset(
     cfg.shuffle, each epoch in a different deterministic order; eval keeps document order. num_epochs=None
     repeats forever; with a finite count the last incomplete batch is dropped, so a small split can give no
     batch at all. `source` (default: open_source(cfg)) lets the train and eval splits share one opened, indexed
-    source. The eval split is held_out's:
-    whole documents, or the tail of a single document.
+    source. The eval split is held_out's: whole documents, or the tail of a single document.
+
+    With data.mixture, each component is split, upsampled and shuffled on its own, then documents are drawn from
+    the components (grain's MapDataset.mix, deterministic) so that each one's expected share of the bytes is its
+    weight, in the train and the eval split alike; with a finite num_epochs the stream ends when the first
+    component runs out.
     """
     if split not in SPLITS:
         raise ValueError(f"split={split!r} is not allowed; choose one of {', '.join(SPLITS)}")
@@ -261,25 +320,29 @@ def build_dataset(
     if cfg.packing not in PACKINGS:
         raise ValueError(f"data.packing={cfg.packing!r} is not allowed; choose one of {', '.join(PACKINGS)}")
 
-    source, train_idx, eval_idx = held_out(open_source(cfg) if source is None else source, cfg.eval_fraction, cfg.seed)
-    doc_indices = train_idx if split == "train" else eval_idx
-    if split == "train" and cfg.long_document_bytes and cfg.long_document_weight != 1.0 and len(doc_indices):
-        sizes = source.sizes()[doc_indices]
-        long = sizes >= cfg.long_document_bytes
-        log.info("%s", describe_sizes(sizes, long, cfg.long_document_weight))
-        doc_indices = upsample(doc_indices, long, cfg.long_document_weight, cfg.seed)
-    if len(doc_indices) == 0:
-        raise DataError(
-            f"split={split!r} has no documents: {len(source)} documents in data.source="
-            f"{cfg.source!r} with data.eval_fraction={cfg.eval_fraction}; eval needs data.eval_fraction > 0"
-        )
-
-    docs = grain.MapDataset.source(doc_indices)
-    if split == "train" and cfg.shuffle:
-        # Grain reseeds epoch e with seed + e; a hashed seed keeps runs with seeds s and s+1 apart.
-        docs = docs.shuffle(seed=int(np.random.SeedSequence(cfg.seed).generate_state(1)[0]))
-    docs = docs.repeat(num_epochs)
-    examples = docs.map(_Tokenize(source, tokenizer, cfg.add_bos, cfg.add_eos)).filter(_has_input)
+    source = open_source(cfg) if source is None else source
+    documents, train_idx, eval_idx = splits(source, cfg)
+    names = source.names if isinstance(source, Mixture) else [f"data.source={cfg.source!r}"]
+    indices = train_idx if split == "train" else eval_idx
+    if split == "train":
+        indices = [
+            _upsampled(documents, idx, cfg, f"{name}: " if len(names) > 1 else "")
+            for name, idx in zip(names, indices, strict=True)
+        ]
+    for name, idx, train, held in zip(names, indices, train_idx, eval_idx, strict=True):
+        if len(idx) == 0:
+            raise DataError(
+                f"split={split!r} has no documents: {len(train) + len(held)} documents in {name} with "
+                f"data.eval_fraction={cfg.eval_fraction}; eval needs data.eval_fraction > 0"
+            )
+    streams = [_documents(idx, cfg, split, num_epochs, i) for i, idx in enumerate(indices)]
+    docs = streams[0]
+    if isinstance(source, Mixture):
+        weights = document_weights(documents, indices, source.weights)
+        if split == "train":
+            log.info("%s", describe_mixture(names, [len(idx) for idx in indices], source.weights, weights))
+        docs = grain.MapDataset.mix(streams, weights.tolist())
+    examples = docs.map(_Tokenize(documents, tokenizer, cfg.add_bos, cfg.add_eos)).filter(_has_input)
 
     rows = pack(
         examples.to_iter_dataset(READ_OPTIONS),

@@ -24,7 +24,7 @@ from parallel import plan as plans
 from parallel.configure import to_layout
 from parallel.mesh import batch_sharding, batch_shards, length_shards
 from parallel.reorder import layout_index
-from train.data import held_out
+from train.data import splits
 from train.errors import DataError
 from train.sources import open_source
 from train.state import abstract_model
@@ -105,10 +105,12 @@ def score(predict: Callable[[np.ndarray, np.ndarray], np.ndarray], haystacks: Se
 
 
 def filler_tokens(config, tokenizer, count: int, source=None) -> np.ndarray:
-    """At least `count` token ids of the run's held-out documents (all of them when fewer), in order. `source`:
+    """At least `count` token ids of the run's held-out documents (all of them when fewer), in order (a mixture's
+    component by component). `source`:
     the run's opened data source (default: open_source(config.data))."""
     source = open_source(config.data) if source is None else source
-    source, _, eval_indices = held_out(source, config.data.eval_fraction, config.data.seed)
+    source, _, held = splits(source, config.data)
+    eval_indices = np.concatenate(held)
     if not len(eval_indices):
         raise DataError("the run holds out no documents (data.eval_fraction=0): there is no filler for haystacks")
     tokens, total = [], 0

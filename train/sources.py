@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import bisect
 import codecs
+import dataclasses
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ import pyarrow.parquet as pq
 from train.errors import DataError
 
 if TYPE_CHECKING:  # the run config imports this module's registries
-    from train.config.schema import DataConfig
+    from train.config.schema import DataConfig, MixtureComponent
 
 SOURCE_HELP = '"stdlib", a text file, a folder, a .jsonl/.json file or a .parquet file'
 SNIFF_BYTES = 8192  # a text file's head read when its folder is listed, to tell text from binary
@@ -308,6 +309,16 @@ class Concat:
         return np.concatenate([part.sizes() for part in self.parts]) if self.parts else np.zeros(0, np.int64)
 
 
+class Mixture(Concat):
+    """The components of data.mixture read one after the other, with their names and weights (shares of the train
+    bytes, normalized); train/data.py draws from them by weight."""
+
+    def __init__(self, parts: Sequence[Source], names: Sequence[str], weights: Sequence[float]):
+        super().__init__(parts)
+        self.names = list(names)
+        self.weights = np.asarray(weights, np.float64) / np.sum(weights)
+
+
 class Head:
     """The first `count` documents of `source`."""
 
@@ -341,11 +352,22 @@ def _format_of(path: pathlib.Path, fmt: str) -> str:
     return "text"
 
 
+def _component(cfg: DataConfig, component: MixtureComponent) -> DataConfig:
+    """The `data` section reading one mixture component alone."""
+    given = {key: getattr(component, key) for key in ("format", "text_field", "file_pattern", "max_documents")}
+    given = {key: value for key, value in given.items() if value is not None}
+    return dataclasses.replace(cfg, source=component.source, mixture=(), **given)
+
+
 def open_source(cfg: DataConfig) -> Source:
     """The documents named by cfg.source / cfg.format / cfg.file_pattern, cut to cfg.max_documents.
 
-    Every file is indexed here (see the module docstring), so bad data fails now with a DataError.
+    Every file is indexed here (see the module docstring), so bad data fails now with a DataError. With
+    cfg.mixture, a Mixture of its components, each opened with the `data` fields it leaves unset.
     """
+    if cfg.mixture:
+        parts = [open_source(_component(cfg, component)) for component in cfg.mixture]
+        return Mixture(parts, [component.source for component in cfg.mixture], [c.weight for c in cfg.mixture])
     skipped = ""  # text: the note on files skipped as not UTF-8 text
     if cfg.source == "stdlib":
         source, where = stdlib_source(), "data.source='stdlib'"

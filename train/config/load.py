@@ -106,7 +106,14 @@ def from_dict(cls, raw: typing.Any, prefix: str):
         if key not in names:
             raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys in {where}: {', '.join(names)}")
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in kwargs and _required(f)]
+    if missing:
+        raise ConfigError(f"{where} needs {', '.join(f'{prefix}{name}' for name in missing)}; got {raw!r}")
     return cls(**kwargs)
+
+
+def _required(field: dataclasses.Field) -> bool:
+    return field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
 
 
 def _coerce(hint, value, key: str):

@@ -9,6 +9,19 @@ from models.config import ComputeConfig, ModelConfig
 
 
 @dataclass(frozen=True)
+class MixtureComponent:
+    """One source of `data.mixture`: its share of the train bytes (`weight`, normalized over the components) and
+    how to read it; a field left unset (None) takes the `data` section's value."""
+
+    source: str
+    weight: float = 1.0
+    format: str | None = None
+    text_field: str | None = None
+    file_pattern: str | None = None
+    max_documents: int | None = None
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Where text comes from and how it becomes packed rows of `seq_len` tokens."""
 
@@ -29,6 +42,9 @@ class DataConfig:
     # token) appear long_document_weight times per epoch (a fraction by a seeded coin); 0 / 1 = off
     long_document_bytes: int = 0
     long_document_weight: float = 1.0
+    # several sources mixed by weight (share of the bytes as stored, ~tokens; each held out and upsampled on its own);
+    # when given, it replaces `source` (() = read `source` alone)
+    mixture: tuple[MixtureComponent, ...] = ()
 
 
 @dataclass(frozen=True)

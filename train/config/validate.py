@@ -107,6 +107,14 @@ def validate(config: Config) -> None:
         not t.needle_lengths or t.eval_batches > 0,
         "train.needle_lengths runs at each evaluation: set train.eval_batches > 0 (and data.eval_fraction > 0)",
     )
+    for i, component in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        require(0 < component.weight < float("inf"), f"{key}.weight={component.weight!r} must be a positive number")
+        require(
+            component.format in (None, *FORMATS),
+            f"{key}.format={component.format!r} is not allowed; choose one of {', '.join(FORMATS)}",
+        )
+        require((component.max_documents or 0) >= 0, f"{key}.max_documents={component.max_documents!r} must be >= 0")
     buckets = t.eval_position_buckets
     require(
         all(a < b for a, b in itertools.pairwise((0, *buckets))),
