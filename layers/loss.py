@@ -59,16 +59,14 @@ def chunked_cross_entropy(
     """`cross_entropy` over length chunks: hidden [batch, length, embed], kernel [embed, vocab].
 
     targets: [batch, length], mask: [batch, length] or [batch, length, groups]. The length is scanned in chunks
-    of `chunk_size` (one chunk when chunk_size >= length); each chunk is rematerialised in the backward pass, so
-    at most [batch, chunk_size, vocab] logits are live. Returns float32 (loss_sum, weight_sum): scalars, or
-    [groups].
+    of at most `chunk_size` tokens (the largest divisor of the length that fits: one chunk when chunk_size >=
+    length); each chunk is rematerialised in the backward pass, so at most [batch, chunk, vocab] logits are live.
+    Returns float32 (loss_sum, weight_sum): scalars, or [groups].
     """
     batch, length = hidden.shape[:2]
     if chunk_size <= 0:
         raise ValueError(f"loss chunk_size must be positive, got {chunk_size}")
-    chunk = min(chunk_size, length)
-    if length % chunk:
-        raise ValueError(f"sequence length {length} is not divisible by loss chunk_size {chunk_size}")
+    chunk = max(d for d in range(1, min(chunk_size, length) + 1) if length % d == 0)
     num_chunks = length // chunk
 
     def to_chunks(x: jax.Array) -> jax.Array:
@@ -83,7 +81,7 @@ def chunked_cross_entropy(
         loss_sum, weight_sum = chunk_sums(*inputs)
         return (carry[0] + loss_sum, carry[1] + weight_sum), None
 
-    zero = jnp.zeros(mask.shape[2:], jnp.float32)
+    zero = jnp.zeros_like(mask[0, 0], jnp.float32)  # [groups] or a scalar, varying like the tokens per device
     (loss_sum, weight_sum), _ = jax.lax.scan(
         step, (zero, zero), (to_chunks(hidden), to_chunks(targets), to_chunks(mask))
     )

@@ -69,7 +69,7 @@ class ComputeConfig:
 
     dtype: str = "auto"  # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU
     remat_policy: str = "full"  # a name in models/remat.py: what each scanned block keeps for the backward pass
-    loss_chunk_size: int = 1024  # tokens per chunk of the cross-entropy (never a full [length, vocab] logits)
+    loss_chunk_size: int = 1024  # at most this many tokens per device per cross-entropy chunk (no [length, vocab])
 
 
 def require(ok: bool, message: str) -> None:

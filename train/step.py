@@ -16,24 +16,25 @@ from layers.loss import chunked_cross_entropy
 from models.dtypes import compute_dtype
 from parallel import plan as plans
 from parallel.mesh import batch_sharding
+from parallel.token_sums import token_sums
 from train.data import BATCH_FIELDS
 
 
 def loss_sums(model, batch, chunk_size: int, weights=None):
     """(sum of token losses, number of loss tokens, model aux) over a batch of [batch, length] arrays.
 
-    The mask is the data's loss_mask (0 on padding and where the target belongs to another document), or
-    `weights` [batch, length, groups] (sums per group); aux is what the model reports beside its hidden states
-    (e.g. expert counts), summed over micro-batches."""
+    The loss is computed where the tokens are (parallel.token_sums). The mask is the data's loss_mask (0 on padding
+    and where the target belongs to another document), or `weights` [batch, length, groups] (sums per group); aux
+    is what the model reports beside its hidden states (e.g. expert counts), summed over micro-batches."""
     hidden, aux = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
-    loss, count = chunked_cross_entropy(
-        hidden,
-        model.output_kernel(),
-        batch["targets"],
-        batch["loss_mask"] if weights is None else weights,
-        chunk_size=min(chunk_size, hidden.shape[1]),
-        dtype=compute_dtype(model.compute),
-    )
+    mask = batch["loss_mask"] if weights is None else weights
+    dtype = compute_dtype(model.compute)
+
+    def sums(hidden, targets, mask, kernel):
+        return chunked_cross_entropy(hidden, kernel, targets, mask, chunk_size=chunk_size, dtype=dtype)
+
+    # per device: each chunk holds local tokens only, and the sums cross devices once
+    loss, count = token_sums(sums, (hidden, batch["targets"], mask), (model.output_kernel(),))
     return loss, count, aux
 
 

@@ -84,10 +84,15 @@ def test_bfloat16_compute_is_close():
     np.testing.assert_allclose(float(low), float(exact), rtol=2e-2)
 
 
-def test_indivisible_length_raises():
+def test_a_chunk_size_that_does_not_divide_the_length_takes_its_largest_divisor_below():
     hidden, kernel, targets, mask = make_inputs()
-    with pytest.raises(ValueError, match=r"16.*5"):
-        chunked_cross_entropy(hidden, kernel, targets, mask, chunk_size=5)
+    chunks = jax.make_jaxpr(lambda h: chunked_cross_entropy(h, kernel, targets, mask, chunk_size=5))(hidden)
+    assert [eqn.params["length"] for eqn in chunks.eqns if eqn.primitive.name == "scan"] == [LENGTH // 4]
+    np.testing.assert_allclose(
+        chunked_cross_entropy(hidden, kernel, targets, mask, chunk_size=5),
+        cross_entropy(hidden, kernel, targets, mask),
+        rtol=1e-6,
+    )
     with pytest.raises(ValueError, match="positive"):
         chunked_cross_entropy(hidden, kernel, targets, mask, chunk_size=0)
 

@@ -83,7 +83,6 @@ def test_llama_configs_have_expected_fields():
         (["train.progress_bar=3"], ["train.progress_bar", "bool"]),
         (["train.steps=0"], ["train.steps", "> 0"]),
         (["model.num_heads=6", "model.num_kv_heads=4"], ["model.num_heads=6", "num_kv_heads=4", "divisible"]),
-        (["data.seq_len=1000", "compute.loss_chunk_size=512"], ["data.seq_len=1000", "loss_chunk_size=512"]),
         (["data.packing=greedy"], ["data.packing", "'greedy'", "concat", "first_fit"]),
         (["model.rope_scaling.type=ntk"], ["model.rope_scaling.type", "llama3", "yarn"]),
         (["mesh.context=3", "parallel.context_strategy=ring"], ["data.seq_len=256", "mesh.context=3"]),

@@ -124,11 +124,6 @@ def validate(config: Config) -> None:
         t.batch_size % t.grad_accum_steps == 0,
         f"train.batch_size={t.batch_size} must be divisible by train.grad_accum_steps={t.grad_accum_steps}",
     )
-    chunk = config.compute.loss_chunk_size
-    require(
-        d.seq_len % min(chunk, d.seq_len) == 0,
-        f"data.seq_len={d.seq_len} must be divisible by compute.loss_chunk_size={chunk} (or shorter than it)",
-    )
     _check_mesh(config)
     require(bool(t.output_dir), "train.output_dir must not be empty")
     require(
