@@ -1,29 +1,40 @@
-"""Training throughput of the tiny Llama and a ~100M-parameter Llama, with remat policies none and full.
+"""Training throughput of the tiny Llama and a ~100M-parameter Llama: remat policies none and full, or the context
+strategies (none, ring, all_gather, ulysses at context=8) on the same batch.
 
-For each model, both policies get their own state and compiled train step (mesh: all local devices on
-fsdp) on a fixed random batch, one warm-up step each, then `--steps` timed steps each, alternating
-between the policies so that a slow stretch of a shared machine hits both alike. Prints a markdown table
-(median step time, tokens/s, MFU, compiled temp / argument memory, tokens/s of each policy relative to
-remat none) and the device kind with the peak FLOP/s that MFU is measured against (on CPU: a measured
-float32 matmul rate).
+For each model, every variant of the comparison gets its own state, mesh and compiled train step on a fixed random
+batch, one warm-up step each, then `--steps` timed steps each, alternating between the variants so that a slow
+stretch of a shared machine hits all alike. Prints a markdown table (median step time, tokens/s, MFU, compiled
+temp / argument memory, tokens/s relative to the comparison's first variant) and the device kind with the peak
+FLOP/s that MFU is measured against (on CPU: a measured float32 matmul rate).
+
+    --compare remat (default): mesh all local devices on fsdp; remat none (the baseline) and full.
+    --compare context: 8 devices (simulated on CPU); strategy none on fsdp=8 (the baseline), and ring, all_gather
+        and ulysses on context=8, all on the same rows (8 heads of 32 so that ulysses splits them).
 
     PYTHONPATH=. python bench/train_throughput.py
     PYTHONPATH=. python bench/train_throughput.py --models 100m --steps 20 --batch 8 --seq-len 1024
-    PYTHONPATH=. python bench/train_throughput.py --quick    # tiny only, 3 timed steps per policy
+    PYTHONPATH=. python bench/train_throughput.py --quick    # tiny only, 3 timed steps per variant
+    PYTHONPATH=. python bench/train_throughput.py --compare context --quick
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
+import sys
 import time
+
+if "context" in sys.argv:  # --compare context: eight devices, simulated on CPU (set before JAX starts)
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import jax
 import numpy as np
 from flax import nnx
 
 from bench.report import ratio
+from parallel.configure import make_plan
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.config import Config, load_config
 from train.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
@@ -32,8 +43,22 @@ from train.state import create_state, param_count
 from train.step import make_train_step
 
 BASE_CONFIG = "configs/tiny.yaml"
-POLICIES = ("none", "full")
 MIB = 2**20
+_CONTEXT = ("mesh.fsdp=1", "mesh.context=8")
+# comparison -> variant -> its overrides (the first variant is the baseline), and overrides every variant takes
+COMPARISONS = {
+    "remat": {"remat none": ("compute.remat_policy=none",), "remat full": ("compute.remat_policy=full",)},
+    "context": {
+        "none": ("mesh.fsdp=8",),
+        "ring": (*_CONTEXT, "parallel.context_strategy=ring"),
+        "all_gather": (*_CONTEXT, "parallel.context_strategy=all_gather"),
+        "ulysses": (*_CONTEXT, "parallel.context_strategy=ulysses"),
+    },
+}
+COMMON = {
+    "remat": (),
+    "context": ("model.num_heads=8", "model.num_kv_heads=8", "model.head_dim=32"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +90,10 @@ MODELS = {
 
 @dataclasses.dataclass
 class Run:
-    """One policy's compiled step, its (donated, fed back) state, its batch and its timed step seconds."""
+    """One variant's compiled step, its mesh, its (donated, fed back) state, its batch and its timed step seconds."""
 
     config: Config
+    mesh: jax.sharding.Mesh
     step: jax.stages.Compiled
     state: nnx.State
     batch: dict
@@ -78,7 +104,7 @@ class Run:
 @dataclasses.dataclass(frozen=True)
 class Result:
     model: str
-    policy: str
+    variant: str
     params: int
     seq_len: int
     batch: int
@@ -89,8 +115,8 @@ class Result:
     argument_mib: float
 
 
-def build_config(name: str, policy: str, args: argparse.Namespace) -> Config:
-    overrides = [*MODELS[name].overrides, f"compute.remat_policy={policy}"]
+def build_config(name: str, variant: str, args: argparse.Namespace) -> Config:
+    overrides = [*MODELS[name].overrides, *COMMON[args.compare], *COMPARISONS[args.compare][variant]]
     if args.batch:
         overrides.append(f"train.batch_size={args.batch}")
     if args.seq_len:
@@ -114,19 +140,25 @@ def random_batch(config: Config, mesh) -> dict:
     return {key: jax.device_put(value, sharding) for key, value in batch.items()}
 
 
-def prepare(config: Config, mesh) -> Run:
-    """State, batch and compiled train step for `config`, after one warm-up step."""
+def prepare(config: Config) -> Run:
+    """Mesh, state, batch and compiled train step for `config`, after one warm-up step."""
+    mesh = make_mesh(config.mesh)
     check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
     train_state = create_state(
         config.model, make_optimizer(config.optimizer, config.train.steps), mesh, seed=0, compute=config.compute
     )
     with jax.set_mesh(mesh):
         jitted = make_train_step(
-            train_state, mesh, chunk_size=config.compute.loss_chunk_size, accum_steps=config.train.grad_accum_steps
+            train_state,
+            mesh,
+            chunk_size=config.compute.loss_chunk_size,
+            accum_steps=config.train.grad_accum_steps,
+            plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform),
         )
-        batch = random_batch(config, mesh)
+        batch = random_batch(config, mesh)  # random tokens: the sequence layout changes nothing measured
         run = Run(
             config,
+            mesh,
             jitted.lower(train_state.state, batch).compile(),
             train_state.state,
             batch,
@@ -139,18 +171,19 @@ def prepare(config: Config, mesh) -> Run:
 def timed_step(run: Run) -> float:
     """Seconds of one train step, waited for through its loss; the returned state replaces the donated one."""
     start = time.perf_counter()
-    run.state, metrics = run.step(run.state, run.batch)
+    with jax.set_mesh(run.mesh):
+        run.state, metrics = run.step(run.state, run.batch)
     metrics["loss"].block_until_ready()
     return time.perf_counter() - start
 
 
-def result(name: str, policy: str, run: Run, peak: float) -> Result:
+def result(name: str, variant: str, run: Run, peak: float) -> Result:
     config, memory = run.config, run.step.memory_analysis()
     seconds = statistics.median(run.seconds)
     tokens_per_sec = config.train.batch_size * config.data.seq_len / seconds
     return Result(
         model=name,
-        policy=policy,
+        variant=variant,
         params=run.params,
         seq_len=config.data.seq_len,
         batch=config.train.batch_size,
@@ -163,41 +196,38 @@ def result(name: str, policy: str, run: Run, peak: float) -> Result:
 
 
 def measure(name: str, args: argparse.Namespace, peak: float) -> list[Result]:
-    """Both policies of one model, their timed steps interleaved."""
-    configs = {policy: build_config(name, policy, args) for policy in POLICIES}
-    mesh = make_mesh(configs["none"].mesh)
-    runs = {policy: prepare(config, mesh) for policy, config in configs.items()}
-    with jax.set_mesh(mesh):
-        for _ in range(args.steps or MODELS[name].steps):
-            for run in runs.values():
-                run.seconds.append(timed_step(run))
-    return [result(name, policy, run, peak) for policy, run in runs.items()]
+    """Every variant of the comparison on one model, their timed steps interleaved."""
+    runs = {variant: prepare(build_config(name, variant, args)) for variant in COMPARISONS[args.compare]}
+    for _ in range(args.steps or MODELS[name].steps):
+        for run in runs.values():
+            run.seconds.append(timed_step(run))
+    return [result(name, variant, run, peak) for variant, run in runs.items()]
 
 
-def table(results: list[Result]) -> str:
-    baseline = {r.model: r.tokens_per_sec for r in results if r.policy == "none"}
+def table(results: list[Result], baseline: str) -> str:
+    base = {r.model: r.tokens_per_sec for r in results if r.variant == baseline}
     lines = [
-        "| model | remat | params (M) | seq_len | batch | tokens/s | step (ms) | MFU | temp (MiB) "
-        "| args (MiB) | tokens/s vs none |",
+        "| model | variant | params (M) | seq_len | batch | tokens/s | step (ms) | MFU | temp (MiB) "
+        f"| args (MiB) | tokens/s vs {baseline} |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.model} | {r.policy} | {r.params / 1e6:.1f} | {r.seq_len} | {r.batch} "
+            f"| {r.model} | {r.variant} | {r.params / 1e6:.1f} | {r.seq_len} | {r.batch} "
             f"| {r.tokens_per_sec:,.0f} | {r.step_ms:.1f} | {r.mfu:.1%} | {r.temp_mib:.1f} "
-            f"| {r.argument_mib:.1f} | {r.tokens_per_sec / baseline[r.model]:.2f} |"
+            f"| {r.argument_mib:.1f} | {r.tokens_per_sec / base[r.model]:.2f} |"
         )
     return "\n".join(lines)
 
 
-def report_ratios(results: list[Result]) -> None:
-    """tokens/s and compiled temp memory of every policy against remat none, per model."""
-    baseline = {r.model: r for r in results if r.policy == "none"}
+def report_ratios(results: list[Result], baseline: str) -> None:
+    """tokens/s and compiled temp memory of every variant against the baseline variant, per model."""
+    base = {r.model: r for r in results if r.variant == baseline}
     for r in results:
-        if r.policy != "none":
-            base = baseline[r.model]
-            ratio(f"{r.model} tokens/s, remat {r.policy}", "remat none", r.tokens_per_sec / base.tokens_per_sec)
-            ratio(f"{r.model} compiled temp memory, remat {r.policy}", "remat none", r.temp_mib / base.temp_mib)
+        if r.variant != baseline:
+            b = base[r.model]
+            ratio(f"{r.model} tokens/s, {r.variant}", baseline, r.tokens_per_sec / b.tokens_per_sec)
+            ratio(f"{r.model} compiled temp memory, {r.variant}", baseline, r.temp_mib / b.temp_mib)
 
 
 def device_line(peak_per_device: float) -> str:
@@ -209,7 +239,8 @@ def device_line(peak_per_device: float) -> str:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,100m", help=f"comma-separated, from {', '.join(MODELS)}")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps per policy (default: 20 tiny, 3 100m)")
+    parser.add_argument("--compare", default="remat", choices=tuple(COMPARISONS), help="what the variants differ in")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per variant (default: 20 tiny, 3 100m)")
     parser.add_argument(
         "--batch", type=int, default=0, help="global batch rows for every model (default: 8 tiny, 2 100m)"
     )
@@ -230,10 +261,11 @@ def main() -> None:
     peak_per_device = peak_flops_per_device()
     peak = peak_per_device * jax.device_count()
     results = [r for name in args.models for r in measure(name, args, peak)]
-    print(table(results))
+    baseline = next(iter(COMPARISONS[args.compare]))
+    print(table(results, baseline))
     print()
     print(device_line(peak_per_device))
-    report_ratios(results)
+    report_ratios(results, baseline)
 
 
 if __name__ == "__main__":
