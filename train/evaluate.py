@@ -1,16 +1,20 @@
-"""`python -m train.evaluate RUN_DIR_OR_CHECKPOINT [--lengths 1024,4096] [--depths 0.1,0.5,0.9] [k=v ...]`: does the
-model retrieve what its context holds? Needle retrieval (train/needle.py) over a grid of lengths x depths for each
-task, on the parameters of a run's newest checkpoint (or of one step directory), over any mesh the overrides
-choose (e.g. mesh.context=8 parallel.context_strategy=ring for 128K rows).
+"""`python -m train.evaluate CHECKPOINT [--config FILE] [--lengths 1024,4096] [--depths 0.1,0.5,0.9] [k=v ...]`: does
+the model retrieve what its context holds? Needle retrieval (train/needle.py) over a grid of lengths x depths for
+each task, on the parameters of a run's newest checkpoint (RUN_DIR), of one step directory
+(RUN_DIR/checkpoints/N) or of an import (`python -m train.hf import`'s OUT), over any mesh the overrides choose
+(e.g. mesh.context=8 parallel.context_strategy=ring for 128K rows).
 
-Writes OUT/needle.json (one record per task, length and depth with its accuracy over --samples haystacks),
-OUT/needle.png (one heatmap per task: depth x length) and TensorBoard scalars `needle/<task>/<length>/<depth>`
-under OUT/tensorboard. OUT is --out, else RUN_DIR/eval. The haystacks' filler is the run's held-out data.
+The run config is --config, else RUN_DIR/config.yaml, else an import's model.yaml with data.tokenizer its
+tokenizer.json (when it has one); checkpoint.init_from is ignored. Writes OUT/needle.json (one record per task,
+length and depth with its accuracy over --samples haystacks), OUT/needle.png (one heatmap per task: depth x
+length) and TensorBoard scalars `needle/<task>/<length>/<depth>` under OUT/tensorboard. OUT is --out, else
+RUN_DIR/eval (an import: its OUT/eval). The haystacks' filler is the held-out part of the config's data.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import pathlib
@@ -25,6 +29,7 @@ from parallel.mesh import MeshError, make_mesh
 from train.checkpoint import restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
 from train.errors import CheckpointError, DataError
+from train.hf import MODEL_YAML, TOKENIZER
 from train.needle import TASKS, filler_tokens, model_predictor, needle_grid
 from train.state import abstract_model
 from train.tokenizer import make_tokenizer
@@ -33,12 +38,35 @@ matplotlib.use("Agg")  # files only, no display
 from matplotlib import pyplot
 
 
-def run_directory(path: pathlib.Path) -> pathlib.Path:
-    """The run directory of RUN_DIR (holds config.yaml) or of one of its step directories (RUN_DIR/checkpoints/N)."""
-    for candidate in (path, path.parent.parent):
-        if (candidate / "config.yaml").is_file():
-            return candidate
-    raise ConfigError(f"{path} is neither a run directory (with config.yaml) nor a step directory of one")
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What evaluating CHECKPOINT reads and writes: `checkpoint` (parameters: a step directory, an import, or a
+    run's checkpoints/ for its newest step), `config` (the run config file), `implied` (overrides applied before
+    the command line's) and `out` (the default output folder)."""
+
+    checkpoint: pathlib.Path
+    config: pathlib.Path
+    implied: tuple[str, ...]
+    out: pathlib.Path
+
+
+def locate(path: pathlib.Path, config: pathlib.Path | None = None) -> Target:
+    """The Target of `path`: a run directory (holds config.yaml), one of its step directories
+    (RUN_DIR/checkpoints/N) or a directory with a `model` item (an import); `config` replaces the run config."""
+    for run_dir in (path, path.parent.parent):
+        if (run_dir / "config.yaml").is_file():
+            checkpoint = run_dir / "checkpoints" if path == run_dir else path
+            return Target(checkpoint, config or run_dir / "config.yaml", (), run_dir / "eval")
+    if (path / "model").is_dir():
+        if config is None and not (path / MODEL_YAML).is_file():
+            raise ConfigError(f"{path} holds parameters but no {MODEL_YAML}: name their run config with --config FILE")
+        tokenizer = path / TOKENIZER
+        implied = (f"data.tokenizer={json.dumps(str(tokenizer))}",) if config is None and tokenizer.is_file() else ()
+        return Target(path, config or path / MODEL_YAML, implied, path / "eval")
+    raise ConfigError(
+        f"{path} is neither a run directory (with config.yaml), a step directory of one, nor a directory with a "
+        "`model` item (python -m train.hf import's output)"
+    )
 
 
 def heatmap(records: list[dict], path: pathlib.Path) -> None:
@@ -67,24 +95,40 @@ def heatmap(records: list[dict], path: pathlib.Path) -> None:
     pyplot.close(figure)
 
 
-def evaluate(path: pathlib.Path, overrides, *, tasks, lengths, depths, samples: int, out: pathlib.Path | None) -> list:
-    """Runs the needle grid on the checkpoint at `path` and writes needle.json, needle.png and TensorBoard scalars
-    under `out` (default RUN_DIR/eval); returns the records."""
-    run_dir = run_directory(path)
-    config = load_config(run_dir / "config.yaml", overrides)
+def evaluate(
+    path: pathlib.Path,
+    overrides,
+    *,
+    tasks,
+    lengths,
+    depths,
+    samples: int,
+    out: pathlib.Path | None,
+    config_file: pathlib.Path | None = None,
+) -> list:
+    """Runs the needle grid on the checkpoint at `path` (see `locate`; `config_file`: --config) and writes
+    needle.json, needle.png and TensorBoard scalars under `out` (default: the Target's); returns the records."""
+    target = locate(path, config_file)
+    # the parameters come from `path`: a run's init_from (perhaps since removed) is not read
+    config = load_config(target.config, [*target.implied, *overrides, "checkpoint.init_from="])
     tokenizer = make_tokenizer(config.data.tokenizer)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer={config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
+            f"model.vocab_size={config.model.vocab_size}; evaluate with the tokenizer the model was trained with"
+        )
     filler = filler_tokens(config, tokenizer, max(lengths))
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
     plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
     graphdef, abstract = abstract_model(config.model, mesh, compute=config.compute)
-    state = restore_model_params(run_dir / "checkpoints" if path == run_dir else path, abstract)
+    state = restore_model_params(target.checkpoint, abstract)
     predict = functools.partial(model_predictor(graphdef, mesh, plan), state)
     records = needle_grid(
         predict, filler, tokenizer, tasks=tasks, lengths=lengths, depths=depths, samples=samples, seed=config.train.seed
     )
     if jax.process_index() == 0:
-        out = out or run_dir / "eval"
+        out = out or target.out
         out.mkdir(parents=True, exist_ok=True)
         (out / "needle.json").write_text(json.dumps(records, indent=1) + "\n")
         heatmap(records, out / "needle.png")
@@ -105,7 +149,12 @@ def _numbers(kind, text: str) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=pathlib.Path, help="a run directory, or one of its checkpoints/<step>")
+    parser.add_argument(
+        "checkpoint", type=pathlib.Path, help="a run directory, one of its checkpoints/<step>, or an import's OUT"
+    )
+    parser.add_argument(
+        "--config", type=pathlib.Path, help="run config (default: RUN_DIR/config.yaml, or an import's model.yaml)"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. mesh.context=8")
     parser.add_argument("--lengths", type=lambda t: _numbers(int, t), default=[1024, 4096], help="tokens per row")
     parser.add_argument("--depths", type=lambda t: _numbers(float, t), default=[0.1, 0.5, 0.9], help="0..1")
@@ -125,6 +174,7 @@ def main(argv=None) -> int:
             depths=args.depths,
             samples=args.samples,
             out=args.out,
+            config_file=args.config,
         )
     except (ConfigError, MeshError, DataError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

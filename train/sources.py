@@ -1,8 +1,9 @@
 """Random-access document sources: `len(source)` documents, `source[i]` -> str, read lazily.
 
 Kinds: plain text (a file is one document; a folder gives one document per matching file),
-JSON lines (one object per line), Parquet (one row per document) and "stdlib" (the Python
-standard library's own `*.py` files, a corpus present offline everywhere). A folder of JSONL or
+JSON lines (one object per line), Parquet (one row per document), "stdlib" (the Python
+standard library's own `*.py` files, a corpus present offline everywhere) and "retrieval" (synthetic
+needle-retrieval documents of data.seq_len - 1 bytes, train/retrieval.py). A folder of JSONL or
 Parquet files (data.format set explicitly) is read as their concatenation. Sources hold paths
 and small indexes, never the corpus, and pickle without open files.
 
@@ -39,7 +40,7 @@ from train.errors import DataError
 if TYPE_CHECKING:  # the run config imports this module's registries
     from train.config.schema import DataConfig, MixtureComponent
 
-SOURCE_HELP = '"stdlib", a text file, a folder, a .jsonl/.json file or a .parquet file'
+SOURCE_HELP = '"stdlib", "retrieval", a text file, a folder, a .jsonl/.json file or a .parquet file'
 SNIFF_BYTES = 8192  # a text file's head read when its folder is listed, to tell text from binary
 JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
@@ -371,6 +372,10 @@ def open_source(cfg: DataConfig) -> Source:
     skipped = ""  # text: the note on files skipped as not UTF-8 text
     if cfg.source == "stdlib":
         source, where = stdlib_source(), "data.source='stdlib'"
+    elif cfg.source == "retrieval":
+        from train.retrieval import RetrievalSource  # it builds on train/needle.py, which reads sources
+
+        source, where = RetrievalSource(cfg.seq_len), "data.source='retrieval'"
     else:
         path = pathlib.Path(cfg.source).expanduser()
         if not path.exists():
