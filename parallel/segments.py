@@ -18,6 +18,7 @@ class BlockSummary(NamedTuple):
     seg_max: jax.Array  # [batch, num_blocks] int32: largest segment id; 0 if all padding
     index_min: jax.Array  # [num_blocks] int32: smallest global token index
     index_max: jax.Array  # [num_blocks] int32: largest global token index
+    padded: jax.Array  # [batch, num_blocks] bool: some token of the block is padding (id 0)
 
 
 def block_summary(segment_ids, index, block: int) -> BlockSummary:
@@ -34,6 +35,7 @@ def block_summary(segment_ids, index, block: int) -> BlockSummary:
         seg_max=jnp.max(seg, axis=-1),
         index_min=jnp.min(idx, axis=-1),
         index_max=jnp.max(idx, axis=-1),
+        padded=jnp.any(seg <= 0, axis=-1),
     )
 
 
@@ -43,6 +45,20 @@ def visible_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool) -> jax.Ar
     if causal:
         visible &= (q.index_max[:, None] >= kv.index_min[None, :])[None]
     return visible
+
+
+def full_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool) -> jax.Array:
+    """[batch, nq, nk] bool: True only when every (query, key) pair of the block pair is visible (both blocks lie
+    in one and the same segment, without padding, and causally every key precedes every query), so a kernel
+    needs no mask there."""
+
+    def single(s: BlockSummary):
+        return ~s.padded & (s.seg_min == s.seg_max)
+
+    full = single(q)[:, :, None] & single(kv)[:, None, :] & (q.seg_min[:, :, None] == kv.seg_min[:, None, :])
+    if causal:
+        full &= (kv.index_max[None, :] <= q.index_min[:, None])[None]
+    return full
 
 
 MASKS = ("padding", "causal", "bottom_right_causal")

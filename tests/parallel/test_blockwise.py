@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
+from parallel.blockwise import _padded_blocks
 from parallel.segments import block_summary, visible_blocks
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
@@ -112,3 +113,11 @@ def test_packed_row_skips_blocks():
         visible_blocks(block_summary(seg, index, block), block_summary(seg, index, block), causal=True).sum()
     )
     assert count(one_doc) / count(packed) > 16
+
+
+@pytest.mark.parametrize("length, block", [(768, 512), (1000, 512), (130, 64), (40, 16), (128, 512), (8192, 512)])
+def test_blocks_fit_the_length(length, block):
+    """Blocks of at most `block` tokens, as few as that allows, padding under 8 tokens per block."""
+    size, count = _padded_blocks(length, block)
+    assert size <= block and count == -(-length // block)
+    assert 0 <= size * count - length < 8 * count

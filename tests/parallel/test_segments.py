@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from parallel.segments import MASKS, block_summary, seqlens_offsets, visible_blocks
+from parallel.segments import MASKS, block_summary, full_blocks, seqlens_offsets, visible_blocks
 
 
 def packed_row(rng, length, max_docs, *, middle_padding=True, trailing_padding=True):
@@ -131,13 +131,14 @@ def test_seqlens_offsets_unknown_mask():
         seqlens_offsets(seg, seg, seg, seg, max_segments=1, mask="sliding")
 
 
-def block_reference(q_seg, kv_seg, q_index, kv_index, block, causal):
-    """[batch, nq, nk] brute force: does the block pair hold a visible (query, key) pair under global indices?"""
+def block_reference(q_seg, kv_seg, q_index, kv_index, block, causal, reduce=np.any):
+    """[batch, nq, nk] brute force: does the block pair hold a visible (query, key) pair under global indices?
+    (reduce=np.all: are all its pairs visible?)"""
     vis = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] > 0)
     if causal:
         vis &= q_index[None, :, None] >= kv_index[None, None, :]
     batch, tq, tk = vis.shape
-    return vis.reshape(batch, tq // block, block, tk // block, block).any(axis=(2, 4))
+    return reduce(vis.reshape(batch, tq // block, block, tk // block, block), axis=(2, 4))
 
 
 @functools.partial(jax.jit, static_argnames=("block", "causal"))
@@ -171,6 +172,28 @@ def test_visible_blocks_exact_for_contiguous_monotone(causal):
         np.testing.assert_array_equal(got, block_reference(seg, seg, index, index, block, causal))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_full_blocks_exact(causal):
+    """full_blocks is True exactly where every pair of the block pair is visible: pieces of a load-balanced
+    layout and random orders, documents longer than a block (so full pairs exist), padding in the middle."""
+    rng = np.random.default_rng(5)
+    seg, _ = packed_batch(rng, 3, 128, 3)
+    found = 0
+    for trial in range(4):
+        orders = (np.arange(128), np.arange(128), rank_pieces(128, 4).reshape(-1), rng.permutation(128))
+        order = orders[trial]
+        pieces = order.reshape(4, 32)
+        for qr, kr in ((0, 0), (2, 1), (3, 0)):
+            q, k = pieces[qr], pieces[kr]
+            for block in (4, 8):
+                summary_q, summary_k = block_summary(seg[:, q], q, block), block_summary(seg[:, k], k, block)
+                got = np.asarray(full_blocks(summary_q, summary_k, causal=causal))
+                want = block_reference(seg[:, q], seg[:, k], q, k, block, causal, reduce=np.all)
+                np.testing.assert_array_equal(got, want)
+                found += int(want.sum())
+    assert found > 0
+
+
 def test_block_summary_reductions():
     seg = np.array([[0, 3, 2, 0, 0, 0, 1, 1]], np.int32)
     summary = block_summary(seg, np.array([5, 1, 7, 0, 2, 4, 6, 3]), 4)
@@ -178,6 +201,8 @@ def test_block_summary_reductions():
     np.testing.assert_array_equal(summary.seg_max, [[3, 1]])
     np.testing.assert_array_equal(summary.index_min, [0, 2])
     np.testing.assert_array_equal(summary.index_max, [7, 6])
+    np.testing.assert_array_equal(summary.padded, [[True, True]])
+    np.testing.assert_array_equal(block_summary(seg[:, 4:], np.arange(4), 2).padded, [[True, False]])
     empty = block_summary(np.zeros((1, 4), np.int32), np.arange(4), 2)
     np.testing.assert_array_equal(empty.seg_min, [[np.iinfo(np.int32).max] * 2])
     np.testing.assert_array_equal(empty.seg_max, [[0, 0]])
