@@ -140,6 +140,7 @@ def make_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> Plan
         expert_dispatch=expert_dispatch(parallel, platform),
         expert_capacity=parallel.expert_capacity_factor,
         expert_chunk=parallel.expert_chunk_size,
+        ring_grad_dtype=parallel.ring_grad_dtype,
     )
 
 

@@ -14,6 +14,8 @@ import dataclasses
 
 from jax.sharding import Mesh
 
+RING_GRAD_DTYPES = ("float32", "compute")
+
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
@@ -25,7 +27,8 @@ class Plan:
     scatter: scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
     expert_dispatch: capacity or ragged (parallel/experts.py); expert_capacity: dispatch buffer rows per expert /
     its balanced load; expert_chunk: at most this many tokens per device pass through an MoE block at once
-    (0 = all)."""
+    (0 = all); ring_grad_dtype: the dtype the ring accumulates and sends dK/dV in (RING_GRAD_DTYPES: float32, or
+    compute = K/V's own dtype, half the bytes in bfloat16)."""
 
     strategy: str = "none"
     axis: str | tuple[str, str] = "context"
@@ -41,6 +44,7 @@ class Plan:
     expert_dispatch: str = "capacity"
     expert_capacity: float = 1.25
     expert_chunk: int = 0
+    ring_grad_dtype: str = "float32"
 
 
 _CURRENT = contextvars.ContextVar("plan", default=Plan())

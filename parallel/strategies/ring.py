@@ -4,7 +4,9 @@ each device attends its local queries to the block it holds; partial results mer
 With causal masking in the dual_chunk layout every step costs the same on every rank (step table):
 step 0 (own block): local Q x local KV, causal; source < rank: all Q x first half of KV; source > rank:
 second half of Q x all KV. Other layouts attend all of Q to all of KV and let the kernel skip masked blocks.
-The backward ring sends dK/dV along the same path one step behind K/V, so they arrive back at their owner.
+The backward ring sends dK/dV along the same path one step behind K/V, so they arrive back at their owner,
+accumulated and sent in float32, or with `plan.ring_grad_dtype="compute"` in K/V's dtype (half the bytes in
+bfloat16; each step's terms are still computed in float32).
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
     blocks = dict(scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
     impl = kernels.select(plan.kernel, interpret=plan.interpret)
     half = n // 2
+
+    def grad_dtype(kv):
+        return jnp.float32 if plan.ring_grad_dtype == "float32" else kv.dtype
+
     to_next = [(i, (i + 1) % shards) for i in range(shards)]
 
     def pieces(kv, seg_all, source):
@@ -139,13 +145,14 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
         rank = lax.axis_index(axis)
         in_flight = lax.ppermute(kv, axis, to_next) if shards > 1 else kv
         dq, dkv = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, rank, first=True)
+        dkv = dkv.astype(grad_dtype(kv))  # accumulated and sent in this dtype; each step's terms are float32
 
         def body(carry, i):
             kv, dkv, dq = carry
             next_kv = lax.ppermute(kv, axis, to_next)
             dkv = lax.ppermute(dkv, axis, to_next)  # arrives with the K/V it belongs to
             dq_i, dkv_i = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, (rank - i) % shards, first=False)
-            return (next_kv, dkv + dkv_i, dq + dq_i), None
+            return (next_kv, (dkv + dkv_i).astype(dkv.dtype), dq + dq_i), None
 
         if shards > 1:
             (kv_last, dkv, dq), _ = lax.scan(body, (in_flight, dkv, dq), jnp.arange(1, shards - 1))
@@ -153,7 +160,7 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
             dq_i, dkv_i = step_backward(
                 q, seg, kv_last, seg_all, out, lse, dout, rank, (rank + 1) % shards, first=False
             )
-            dq, dkv = dq + dq_i, lax.ppermute(dkv + dkv_i, axis, to_next)  # home to the owner
+            dq, dkv = dq + dq_i, lax.ppermute((dkv + dkv_i).astype(dkv.dtype), axis, to_next)  # home to the owner
         return dq.astype(q.dtype), dkv.astype(kv.dtype), None
 
     ring.defvjp(ring_fwd, ring_bwd)

@@ -11,6 +11,7 @@ import models
 from layers import moe, rope
 from models import dtypes, remat
 from parallel import experts, kernels, reorder, strategies
+from parallel import plan as plans
 from train import data, sources
 from train.config import CHOICES, ConfigError, load_config
 
@@ -93,6 +94,7 @@ def test_llama_configs_have_expected_fields():
         (["parallel.load_balance=maybe"], ["parallel.load_balance", "bool"]),
         (["parallel.expert_dispatch=dense"], ["parallel.expert_dispatch", "'dense'", "capacity", "ragged", "auto"]),
         (["parallel.expert_chunk_size=-1"], ["parallel.expert_chunk_size=-1", ">= 0"]),
+        (["parallel.ring_grad_dtype=bfloat16"], ["parallel.ring_grad_dtype", "'bfloat16'", "float32", "compute"]),
         (["mesh.ulysses=0"], ["mesh.ulysses=0", ">= 1 or -1"]),
         (["mesh.context=2"], ["mesh.context=2", "parallel.context_strategy=none", "ring"]),
         (["mesh.context=2", "mesh.ulysses=2", "parallel.context_strategy=ring"], ["mesh.ulysses=2", "usp"]),
@@ -165,6 +167,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "parallel.balance_layout": [layout for layout in reorder.LAYOUTS if layout != "contiguous"],
         "parallel.expert_dispatch": ("auto", *experts.DISPATCHES),
         "parallel.attention_kernel": kernels.KERNELS,
+        "parallel.ring_grad_dtype": plans.RING_GRAD_DTYPES,
     }
     assert CHOICES.keys() == registries.keys()
     for key, registry in registries.items():

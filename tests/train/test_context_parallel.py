@@ -170,6 +170,11 @@ def test_attention_kernel_by_platform():
         make_plan(ParallelConfig(attention_kernel="pallas"), {}, "cpu")
 
 
+def test_ring_grad_dtype_reaches_the_plan():
+    assert make_plan(ParallelConfig(), {}).ring_grad_dtype == "float32"
+    assert make_plan(ParallelConfig(ring_grad_dtype="compute"), {}).ring_grad_dtype == "compute"
+
+
 def test_host_reorder_is_undone_by_from_balanced():
     batch = packed_batch(MODEL.vocab_size)
     plan = Plan(strategy="ring", layout="dual_chunk")

@@ -123,6 +123,7 @@ class ParallelConfig:
     stripe: int = 1  # tokens per stripe for the striped layout
     block_q: int = 512  # attention kernel block sizes
     block_kv: int = 512
+    ring_grad_dtype: str = "float32"  # float32 | compute: dK/dV summed and sent around the ring in the compute dtype
     attention_kernel: str = "auto"  # auto (blockwise) | pallas (GPU; opt-in until run on one) | blockwise
     fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)

@@ -19,6 +19,7 @@ from models.remat import POLICIES
 from parallel.configure import EXPERT_DISPATCHES, check_context, check_tensor
 from parallel.kernels import KERNELS
 from parallel.mesh import MeshError, check_batch
+from parallel.plan import RING_GRAD_DTYPES
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
 from train.config.schema import Config, MeshConfig
@@ -39,6 +40,7 @@ CHOICES = {
     "parallel.balance_layout": tuple(layout for layout in LAYOUTS if layout != "contiguous"),
     "parallel.expert_dispatch": EXPERT_DISPATCHES,
     "parallel.attention_kernel": KERNELS,
+    "parallel.ring_grad_dtype": RING_GRAD_DTYPES,
 }
 POSITIVE = (
     "compute.loss_chunk_size",
