@@ -14,18 +14,34 @@ Where the time goes, from the bottom up, each under the same shard_map on the sa
 Then the ring's per-device footprint (args + output + temp) against one device holding the whole sequence, at
 `--footprint-length`.
 
+With 8 simulated devices on 2 cores all devices share the cores, so the total work decides the time and a ring's
+load balance does not show. `--devices 2` gives each device a core of its own (single-threaded ops), as on real
+hardware: then a step waits for its busiest device, and ringattention's contiguous causal ring (device 1 does
+1.5x the work of a balanced device, device 0 half) pays for its imbalance.
+
 Needs `pip install ringattention einops` for the comparison rows (its package __init__ does not import on
 JAX >= 0.5, so the module is loaded from its file); without it those rows are skipped.
 
     PYTHONPATH=. .venv/bin/python bench/ring.py
     PYTHONPATH=. .venv/bin/python bench/ring.py --quick     # T = 4096, one timed call
+    PYTHONPATH=. .venv/bin/python bench/ring.py --devices 2  # one core per device: load balance counts
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count="
+        + (sys.argv[sys.argv.index("--devices") + 1] if "--devices" in sys.argv else "8"),
+        # --devices N: each device runs its ops on its own single thread, so with N <= cores every device has a
+        # core to itself, as on real hardware
+        "--xla_cpu_multi_thread_eigen=false" if "--devices" in sys.argv else "",
+    ]
+).strip()
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse
@@ -186,9 +202,12 @@ def main() -> None:
     parser.add_argument("--length", type=int, default=8192)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block", type=int, default=512, help="both kernels' query and key block")
+    parser.add_argument("--block", type=int, default=256, help="both kernels' query and key block")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--footprint-length", type=int, default=16384)
+    parser.add_argument(
+        "--devices", type=int, default=8, help="simulated devices (cp), each single-threaded (<= cores: a core each)"
+    )
     parser.add_argument("--quick", action="store_true", help="--length 4096 --repeats 1 --footprint-length 8192")
     args = parser.parse_args()
     if args.quick:
@@ -225,6 +244,7 @@ def main() -> None:
             np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-4)
             rows.append(Row("ringattention (pip, contiguous)", their_grad, natural))
         timed(rows, args.repeats)
+        ring_total, whole_total = footprint(args)
 
     flops = useful_flops(args)
     by_name = {row.name.split(" (")[0]: row for row in rows}
@@ -236,7 +256,6 @@ def main() -> None:
             f"| {row.name} | {row.seconds * 1e3:,.0f} | {flops / row.seconds / 1e9:.1f} "
             f"| {row.seconds / ring.seconds:.2f} | {row.temp / MIB:,.1f} | {row.temp / ring.temp:.2f} |"
         )
-    ring_total, whole_total = footprint(args)
     print(
         f"\nring footprint per device at T = {args.footprint_length:,}: {ring_total / MIB:,.1f} MiB vs "
         f"{whole_total / MIB:,.1f} MiB on one device: {ring_total / whole_total:.3f} (1/cp = {1 / cp:.3f}, "

@@ -35,8 +35,8 @@ class Plan:
     layout: str = "contiguous"
     stripe: int = 1
     mesh: Mesh | None = None
-    block_q: int = 512
-    block_kv: int = 512
+    block_q: int = 256
+    block_kv: int = 256
     kernel: str = "blockwise"
     interpret: bool = False
     fused: bool = True

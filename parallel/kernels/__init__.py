@@ -63,8 +63,8 @@ def attention(
     scale=None,
     kernel="auto",
     interpret=False,
-    block_q=512,
-    block_kv=512,
+    block_q=256,
+    block_kv=256,
 ):
     """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
     (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).

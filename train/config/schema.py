@@ -121,8 +121,8 @@ class ParallelConfig:
     load_balance: bool = True  # reorder the sequence when mesh.context > 1 so causal work is even
     balance_layout: str = "dual_chunk"  # dual_chunk | striped
     stripe: int = 1  # tokens per stripe for the striped layout
-    block_q: int = 512  # attention kernel block sizes
-    block_kv: int = 512
+    block_q: int = 256  # attention kernel block sizes (bench/README.md: 256 beats 512 on CPU in time and memory)
+    block_kv: int = 256
     ring_grad_dtype: str = "float32"  # float32 | compute: dK/dV summed and sent around the ring in the compute dtype
     attention_kernel: str = "auto"  # auto (blockwise) | pallas (GPU; opt-in until run on one) | blockwise
     fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
