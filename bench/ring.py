@@ -8,8 +8,9 @@ Time: best of `--repeats` calls, the versions alternating. Memory: `compiled.mem
 Where the time goes, from the bottom up, each under the same shard_map on the same 8 devices:
   1. matmul floor: the ring's useful FLOPs (causal T²/2 pairs, 2 matmuls forward and 5 backward) as the
      kernel's block-sized matmuls alone;
-  2. kernel steps: every device runs the kernel calls of its ring steps (the causal diagonal, then cp - 1
-     unmasked half steps) on its own pieces: no ppermute, no merge;
+  2. kernel steps: every device runs the kernel calls of its ring steps (cp causal calls by global index: the
+     diagonal, then cp - 1 of which one chunk against a whole piece is visible) on its own pieces: no ppermute,
+     no merge;
   3. the ring itself.
 Then the ring's per-device footprint (args + output + temp) against one device holding the whole sequence, at
 `--footprint-length`.
@@ -114,20 +115,23 @@ def theirs(module, mesh, args):
 
 
 def kernel_steps(mesh, args):
-    """Each device runs its ring's kernel calls on its own pieces (diagonal causal, then cp - 1 unmasked half
-    steps of one chunk against the whole piece): the ring's compute without its ppermutes and merges."""
+    """Each device runs its ring's kernel calls on its own pieces (cp causal calls of the local queries against a
+    piece, by global index: the diagonal, then cp - 1 whose visible pairs are one chunk against a whole piece; as
+    rank 0 sees them, the same cost on every rank): the ring's compute without its ppermutes and merges."""
     cp, spec = mesh.shape[AXIS], PartitionSpec(None, AXIS, None, None)
     index = layout_index(args.length, cp, "dual_chunk").reshape(cp, -1)
 
     def local(q, k, v):
-        n = q.shape[1]
-        call = dict(kernel="blockwise", block_q=args.block, block_kv=args.block)
-        diagonal = jnp.asarray(index[0])  # the same visibility on every rank
-        out = kernels.attention(q, k, v, q_index=diagonal, kv_index=diagonal, causal=True, **call)[0]
+        call = dict(kernel="blockwise", block_q=args.block, block_kv=args.block, causal=True)
+        out = kernels.attention(q, k, v, q_index=jnp.asarray(index[0]), kv_index=jnp.asarray(index[0]), **call)[0]
         for step in range(1, cp):
             k = k * (1 + 1e-3 * step)  # a different key piece each step, as in the ring (no common subexpressions)
-            half = kernels.attention(q[:, n // 2 :], k, v, causal=False, **call)[0]
-            out = out + jnp.pad(half, ((0, 0), (n // 2, 0), (0, 0), (0, 0)))
+            out = (
+                out
+                + kernels.attention(q, k, v, q_index=jnp.asarray(index[0]), kv_index=jnp.asarray(index[step]), **call)[
+                    0
+                ]
+            )
         return out
 
     return grad_fn(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False))

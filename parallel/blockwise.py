@@ -70,6 +70,14 @@ def _token_rows(x, size: int):
     return x.reshape(kv_heads, size, -1, d).transpose(1, 0, 2, 3).reshape(size, -1, d)
 
 
+def _add_block(x, blk, b, start: int):
+    """x [batch, t, kv_heads, d] with the float32 block blk [kv_heads, size, d] added at batch row b, rows from
+    `start`, in x's dtype."""
+    at = (b, start, 0, 0)
+    old = lax.dynamic_slice(x, at, (1, blk.shape[1], *x.shape[2:]))
+    return lax.dynamic_update_slice(x, (old + blk.transpose(1, 0, 2)[None]).astype(x.dtype), at)
+
+
 def _pair_kinds(q_seg, kv_seg, q_index, kv_index, bq: int, bk: int, causal: bool):
     """[batch, nq, nk] int32 kind of each block pair: SKIP (no visible pair), MASKED (some), FULL (all visible,
     so no mask is built)."""
@@ -164,11 +172,14 @@ def backward(
     block_q,
     block_kv,
     grad_dtype=None,
+    accumulate=None,
 ):
     """Gradients (dq, dk, dv) of `forward` given its final out / lse and their cotangents (dlse may be None),
-    in `grad_dtype` (default: the dtypes of q, k, v).
+    in `grad_dtype` (default: the dtypes of q, k, v); or, given `accumulate` = (dq, dk, dv) running sums (a ring's),
+    those sums with this call's gradients added, in their dtypes, updated in place (no per-call gradient arrays).
 
-    One pass over key blocks; for each, the visible query blocks update dk/dv locally and dq in place.
+    One pass over key blocks; for each, the visible query blocks update dk/dv locally and dq in place, and the
+    finished dk/dv block is added into dk/dv.
     """
     batch, tq, heads, dqk = q.shape
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -179,7 +190,7 @@ def backward(
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [batch, tq, heads]
     if dlse is not None:
         delta = delta - dlse
-    bq, nq = _padded_blocks(tq, block_q)
+    bq, _ = _padded_blocks(tq, block_q)
     bk, nk = _padded_blocks(tk, block_kv)
     q, dout, q_seg, q_index = _pad(q, 1, bq), _pad(dout, 1, bq), _pad(q_seg, 1, bq), _pad(q_index, 0, bq)
     lse, delta = _pad(lse, 1, bq, -jnp.inf), _pad(delta, 1, bq)
@@ -188,7 +199,8 @@ def backward(
     first, last = _block_ranges(kinds_t > SKIP)
     lse, delta = lse[..., None], delta[..., None]
 
-    def kv_block(dq, flat):
+    def kv_block(flat, grads):
+        dq, dk, dv_ = grads
         b, j = flat // nk, flat % nk
         k_blk, v_blk = _key_block(k, b, j, bk), _key_block(v, b, j, bk)
         kv_seg_blk, kv_idx_blk = _take_block(kv_seg, b, j, bk), lax.dynamic_slice_in_dim(kv_index, j * bk, bk)
@@ -222,18 +234,18 @@ def backward(
             dq_blk, dk_blk, dv_blk = lax.switch(kinds_t[b, j, i], branches, dk_blk, dv_blk)
             start = (b, i * bq, 0, 0)
             dq_old = lax.dynamic_slice(dq, start, dq_blk.shape)
-            return lax.dynamic_update_slice(dq, dq_old + dq_blk, start), dk_blk, dv_blk
+            return lax.dynamic_update_slice(dq, (dq_old + dq_blk).astype(dq.dtype), start), dk_blk, dv_blk
 
         init = (dq, jnp.zeros((kv_heads, bk, dqk), jnp.float32), jnp.zeros((kv_heads, bk, dv), jnp.float32))
         dq, dk_blk, dv_blk = lax.fori_loop(first[b, j], last[b, j], step, init)
-        return dq, (dk_blk.transpose(1, 0, 2), dv_blk.transpose(1, 0, 2))
+        return dq, _add_block(dk, dk_blk, b, j * bk), _add_block(dv_, dv_blk, b, j * bk)
 
-    dq0 = jnp.zeros((batch, nq * bq, heads, dqk), jnp.float32)
-    dq, (dk, dv_) = lax.scan(kv_block, dq0, jnp.arange(batch * nk))
-    dk = dk.reshape(batch, nk * bk, kv_heads, dqk)[:, :tk]
-    dv_ = dv_.reshape(batch, nk * bk, kv_heads, dv)[:, :tk]
-    return (
-        dq[:, :tq].astype(grad_dtype or q.dtype),
-        dk.astype(grad_dtype or k.dtype),
-        dv_.astype(grad_dtype or v.dtype),
-    )
+    if accumulate is None:  # float32 sums from zero, cast at the end
+        shapes = ((batch, tq, heads, dqk), (batch, tk, kv_heads, dqk), (batch, tk, kv_heads, dv))
+        accumulate = [jnp.zeros(shape, jnp.float32) for shape in shapes]
+        dtypes = [grad_dtype or x.dtype for x in (q, k, v)]
+    else:
+        dtypes = [x.dtype for x in accumulate]
+    sums = (_pad(accumulate[0], 1, bq), _pad(accumulate[1], 1, bk), _pad(accumulate[2], 1, bk))
+    sums = lax.fori_loop(0, batch * nk, kv_block, sums)
+    return tuple(x[:, :t].astype(dtype) for x, t, dtype in zip(sums, (tq, tk, tk), dtypes, strict=True))

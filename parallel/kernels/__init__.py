@@ -20,8 +20,9 @@ KERNELS = ("auto", "pallas", "blockwise")
 
 class Kernel(NamedTuple):
     """forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, out_dtype=None) ->
-    (out, lse); backward(..., out, lse, dout, dlse, *, causal, scale, block_q, block_kv, grad_dtype=None) ->
-    (dq, dk, dv): parallel.blockwise.forward / backward's signatures."""
+    (out, lse); backward(..., out, lse, dout, dlse, *, causal, scale, block_q, block_kv, grad_dtype=None,
+    accumulate=None) -> (dq, dk, dv), or given running sums accumulate=(dq, dk, dv), those sums plus them:
+    parallel.blockwise.forward / backward's signatures."""
 
     name: str
     forward: Callable

@@ -229,9 +229,16 @@ def backward(
     block_kv,
     interpret=False,
     grad_dtype=None,
+    accumulate=None,
 ):
     """parallel.blockwise.backward's arguments and results, as Pallas kernels: (dq, dk, dv) of `forward` given its
-    final out / lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k, v)."""
+    final out / lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k, v); or,
+    given `accumulate` = (dq, dk, dv) running sums, those sums with them added, in their dtypes."""
+    if accumulate is not None:
+        args = (q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse)
+        static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret)
+        grads = backward(*args, **static, grad_dtype=jnp.float32)
+        return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))
     batch, tq, heads, dqk = q.shape
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads

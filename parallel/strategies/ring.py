@@ -1,12 +1,13 @@
-"""`ring`: K and V, stacked into one array, travel around the context axis with one `ppermute` per step while
-each device attends its local queries to the block it holds; partial results merge by log-sum-exp in fp32.
+"""`ring`: K and V travel around the context axis with one `ppermute` per step while each device attends its local
+queries to the piece it holds; partial results merge by log-sum-exp in fp32.
 
-With causal masking in the dual_chunk layout every step costs the same on every rank (step table):
-step 0 (own block): local Q x local KV, causal; source < rank: all Q x first half of KV; source > rank:
-second half of Q x all KV. Other layouts attend all of Q to all of KV and let the kernel skip masked blocks.
-The backward ring sends dK/dV along the same path one step behind K/V, so they arrive back at their owner,
-accumulated and sent in float32, or with `plan.ring_grad_dtype="compute"` in K/V's dtype (half the bytes in
-bfloat16; each step's terms are still computed in float32).
+Every step is one kernel call over the whole local Q and the piece, causal by global token index: the kernel skips
+block pairs with nothing visible and builds no mask where all are visible, so in the dual_chunk layout the steps
+cost the same on every rank (own piece: the causal diagonal; a piece from a lower rank: all Q x its first chunk;
+from a higher rank: our second chunk x all of it) with no branch on the step. The backward ring sends dK/dV along
+the same path one step behind K/V, so they arrive back at their owner; each step's kernel adds its terms into the
+running dq / dK / dV in place. dK/dV sum and travel in float32, or with `plan.ring_grad_dtype="compute"` in K/V's
+dtype (half the bytes in bfloat16; each step's terms are still computed in float32).
 """
 
 from __future__ import annotations
@@ -33,12 +34,10 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
     """Inside a shard_map over `axis` (shards devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
     seg [batch, n] are this device's piece; index: numpy [shards * n] global token index of every piece in order.
     Returns out [batch, n, heads, dv]."""
-    dqk, n = k.shape[-1], q.shape[1]
+    n = q.shape[1]
     table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
-    balanced = causal and plan.layout == "dual_chunk" and shards > 1
     blocks = dict(scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
     impl = kernels.select(plan.kernel, interpret=plan.interpret)
-    half = n // 2
 
     def grad_dtype(kv):
         return jnp.float32 if plan.ring_grad_dtype == "float32" else kv.dtype
@@ -46,71 +45,20 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
     to_next = [(i, (i + 1) % shards) for i in range(shards)]
 
     def pieces(kv, seg_all, source):
-        return kv[..., :dqk], kv[..., dqk:], seg_all[source], jnp.asarray(table)[source]
+        return kv[0], kv[1], seg_all[source], jnp.asarray(table)[source]
 
-    def step_forward(q, seg, kv, seg_all, rank, source, first):
+    def step_forward(q, seg, kv, seg_all, rank, source):
         """(out float32, lse) of local queries against the KV block of `source`."""
         k_s, v_s, kv_seg, kv_index = pieces(kv, seg_all, source)
         q_index = jnp.asarray(table)[rank]
-        fwd = functools.partial(impl.forward, out_dtype=jnp.float32, **blocks)
-        if first or not balanced:
-            return fwd(q, k_s, v_s, seg, kv_seg, q_index, kv_index, causal=causal)
+        return impl.forward(q, k_s, v_s, seg, kv_seg, q_index, kv_index, causal=causal, out_dtype=jnp.float32, **blocks)
 
-        def early():  # source < rank: its first chunk precedes both of ours, its second follows both
-            return fwd(q, k_s[:, :half], v_s[:, :half], seg, kv_seg[:, :half], q_index, kv_index[:half], causal=False)
-
-        def late():  # source > rank: our first chunk sees nothing of it, our second chunk sees all of it
-            out, lse = fwd(q[:, half:], k_s, v_s, seg[:, half:], kv_seg, q_index[half:], kv_index, causal=False)
-            return (
-                jnp.concatenate([jnp.zeros_like(out), out], axis=1),
-                jnp.concatenate([jnp.full_like(lse, -jnp.inf), lse], axis=1),
-            )
-
-        return lax.cond(source < rank, early, late)
-
-    def step_backward(q, seg, kv, seg_all, out, lse, dout, rank, source, first):
-        """(dq, dkv) float32 of local queries against the KV block of `source`."""
+    def step_backward(q, seg, kv, seg_all, out, lse, dout, rank, source, grads):
+        """grads = (dq float32, dk, dv) with the terms of local queries against the KV block of `source` added."""
         k_s, v_s, kv_seg, kv_index = pieces(kv, seg_all, source)
         q_index = jnp.asarray(table)[rank]
-        bwd = functools.partial(impl.backward, dlse=None, grad_dtype=jnp.float32, **blocks)
-        if first or not balanced:
-            dq, dk, dv = bwd(q, k_s, v_s, seg, kv_seg, q_index, kv_index, out, lse, dout, causal=causal)
-            return dq, jnp.concatenate([dk, dv], axis=-1)
-
-        def early():
-            dq, dk, dv = bwd(
-                q,
-                k_s[:, :half],
-                v_s[:, :half],
-                seg,
-                kv_seg[:, :half],
-                q_index,
-                kv_index[:half],
-                out,
-                lse,
-                dout,
-                causal=False,
-            )
-            dkv = jnp.concatenate([dk, dv], axis=-1)
-            return dq, jnp.concatenate([dkv, jnp.zeros_like(dkv)], axis=1)
-
-        def late():
-            dq, dk, dv = bwd(
-                q[:, half:],
-                k_s,
-                v_s,
-                seg[:, half:],
-                kv_seg,
-                q_index[half:],
-                kv_index,
-                out[:, half:],
-                lse[:, half:],
-                dout[:, half:],
-                causal=False,
-            )
-            return jnp.concatenate([jnp.zeros_like(dq), dq], axis=1), jnp.concatenate([dk, dv], axis=-1)
-
-        return lax.cond(source < rank, early, late)
+        args = (q, k_s, v_s, seg, kv_seg, q_index, kv_index, out, lse, dout, None)
+        return impl.backward(*args, causal=causal, accumulate=grads, **blocks)
 
     def run_forward(q, kv, seg):
         rank = lax.axis_index(axis)
@@ -119,17 +67,17 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
         # The first and the last step are peeled off the scan: the first is the causal diagonal (the local block,
         # no permute to wait for) and its result initialises the merge; the last issues no permute, since no
         # block is needed after it. The scan body is then the same for every middle step: permute, compute, merge.
-        out, lse = step_forward(q, seg, kv, seg_all, rank, rank, first=True)
+        out, lse = step_forward(q, seg, kv, seg_all, rank, rank)
 
         def body(carry, i):
             kv, out, lse = carry
             next_kv = lax.ppermute(kv, axis, to_next)
-            part = step_forward(q, seg, kv, seg_all, rank, (rank - i) % shards, first=False)
+            part = step_forward(q, seg, kv, seg_all, rank, (rank - i) % shards)
             return (next_kv, *merge(out, lse, *part)), None
 
         if shards > 1:
             (kv_last, out, lse), _ = lax.scan(body, (in_flight, out, lse), jnp.arange(1, shards - 1))
-            out, lse = merge(out, lse, *step_forward(q, seg, kv_last, seg_all, rank, (rank + 1) % shards, first=False))
+            out, lse = merge(out, lse, *step_forward(q, seg, kv_last, seg_all, rank, (rank + 1) % shards))
         return out.astype(q.dtype), (seg_all, out, lse)
 
     @jax.custom_vjp
@@ -144,27 +92,31 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
         q, kv, seg, seg_all, out, lse = residuals
         rank = lax.axis_index(axis)
         in_flight = lax.ppermute(kv, axis, to_next) if shards > 1 else kv
-        dq, dkv = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, rank, first=True)
-        dkv = dkv.astype(grad_dtype(kv))  # accumulated and sent in this dtype; each step's terms are float32
+        # dq sums in float32; dk and dv sum and travel in grad_dtype; each step's terms are float32
+        zeros = (
+            jnp.zeros(q.shape, jnp.float32),
+            *(jnp.zeros(x.shape, grad_dtype(x)) for x in kv),
+        )
+        dq, dk, dv = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, rank, zeros)
 
         def body(carry, i):
-            kv, dkv, dq = carry
+            kv, dq, dk, dv = carry
             next_kv = lax.ppermute(kv, axis, to_next)
-            dkv = lax.ppermute(dkv, axis, to_next)  # arrives with the K/V it belongs to
-            dq_i, dkv_i = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, (rank - i) % shards, first=False)
-            return (next_kv, (dkv + dkv_i).astype(dkv.dtype), dq + dq_i), None
+            dk, dv = lax.ppermute((dk, dv), axis, to_next)  # arrive with the K/V they belong to
+            grads = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, (rank - i) % shards, (dq, dk, dv))
+            return (next_kv, *grads), None
 
         if shards > 1:
-            (kv_last, dkv, dq), _ = lax.scan(body, (in_flight, dkv, dq), jnp.arange(1, shards - 1))
-            dkv = lax.ppermute(dkv, axis, to_next)
-            dq_i, dkv_i = step_backward(
-                q, seg, kv_last, seg_all, out, lse, dout, rank, (rank + 1) % shards, first=False
+            (kv_last, dq, dk, dv), _ = lax.scan(body, (in_flight, dq, dk, dv), jnp.arange(1, shards - 1))
+            dk, dv = lax.ppermute((dk, dv), axis, to_next)
+            dq, dk, dv = step_backward(
+                q, seg, kv_last, seg_all, out, lse, dout, rank, (rank + 1) % shards, (dq, dk, dv)
             )
-            dq, dkv = dq + dq_i, lax.ppermute((dkv + dkv_i).astype(dkv.dtype), axis, to_next)  # home to the owner
-        return dq.astype(q.dtype), dkv.astype(kv.dtype), None
+            dk, dv = lax.ppermute((dk, dv), axis, to_next)  # home to the owner
+        return dq.astype(q.dtype), (dk.astype(kv[0].dtype), dv.astype(kv[1].dtype)), None
 
     ring.defvjp(ring_fwd, ring_bwd)
-    return ring(q, jnp.concatenate([k, v], axis=-1), seg)
+    return ring(q, (k, v), seg)
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):

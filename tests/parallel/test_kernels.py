@@ -70,6 +70,30 @@ def test_pallas_equals_blockwise_on_ring_pieces(layout, ranks):
     assert_same(outputs_and_grads("pallas", q, k, v, **options), outputs_and_grads("blockwise", q, k, v, **options))
 
 
+@pytest.mark.parametrize("name", ["blockwise", "pallas"])
+def test_backward_adds_into_running_sums(name):
+    """backward(accumulate=sums) is sums + backward (a ring step's in-place update), in the sums' dtypes, on
+    lengths that are not whole blocks."""
+    impl = kernels.select(name, interpret=True)
+    q, k, v = inputs(*HEADS["mla"], tq=LENGTH - 4, tk=LENGTH - 4)
+    seg = jnp.asarray(packed_segments(2, LENGTH - 4))
+    index = jnp.arange(LENGTH - 4, dtype=jnp.int32)
+    static = dict(causal=True, scale=0.25, block_q=16, block_kv=16)
+    out, lse = impl.forward(q, k, v, seg, seg, index, index, **static)
+    dout = jnp.asarray(np.random.default_rng(2).normal(size=out.shape), jnp.float32)
+    args = (q, k, v, seg, seg, index, index, out, lse, dout, None)
+    sums = [
+        jnp.asarray(np.random.default_rng(3).normal(size=x.shape), dtype)
+        for x, dtype in zip((q, k, v), (jnp.float32, jnp.bfloat16, jnp.bfloat16), strict=True)
+    ]
+    got = jax.jit(lambda sums: impl.backward(*args, **static, accumulate=sums))(sums)
+    fresh = impl.backward(*args, **static, grad_dtype=jnp.float32)
+    for total, g, start in zip(got, fresh, sums, strict=True):
+        assert total.dtype == start.dtype
+        want = (start.astype(jnp.float32) + g).astype(start.dtype).astype(jnp.float32)
+        assert relative_error(total.astype(jnp.float32), want) < (1e-6 if start.dtype == jnp.float32 else 1e-2)
+
+
 def test_each_backend_gets_its_kernel():
     assert kernels.select("auto", backend="gpu").name == "blockwise"  # until Pallas has run on a GPU
     assert kernels.select("auto", backend="cpu").name == "blockwise"
