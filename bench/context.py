@@ -4,10 +4,9 @@
    (query block, key block) pairs each device computes over the cp ring steps, from
    `parallel.segments.block_summary` / `visible_blocks` on the exact query and key pieces of every step
    (global indices from `parallel.reorder.layout_index`), times 4·bq·bk·heads·head_dim forward FLOPs:
-   - dual_chunk + step table (what `ring` runs): step 0 own block causal; source < rank: all local Q x
-     first half of the KV block, unmasked; source > rank: second half of Q x all of the KV block, unmasked;
-   - dual_chunk, striped (stripe 1), contiguous: every step all local Q x all of the KV block, causal by
-     global index, the kernel skipping invisible block pairs (contiguous is the unbalanced baseline).
+   every step all local Q x all of the KV block, causal by global index, the kernel skipping invisible block
+   pairs (what `ring` runs), in the dual_chunk (the ring's), striped (stripe 1) and contiguous (the
+   unbalanced baseline) layouts.
    Reports busiest device / mean, the ring's critical path (sum over steps of the busiest device's work
    in that step, since every step ends in a ppermute all devices wait for) and total work against the
    ideal causal T²/2 pairs.
@@ -66,22 +65,14 @@ def pairs(q_index: np.ndarray, kv_index: np.ndarray, block: int, causal: bool) -
     return int(visible_blocks(summary(q_index), summary(kv_index), causal=causal).sum())
 
 
-def step_pairs(length: int, cp: int, block: int, layout: str, table: bool) -> np.ndarray:
+def step_pairs(length: int, cp: int, block: int, layout: str) -> np.ndarray:
     """[cp steps, cp devices] visited block pairs of every device at every ring step (device r receives
     the KV block of source (r - step) mod cp at that step, as in parallel/strategies/ring.py)."""
     pieces = layout_index(length, cp, layout).reshape(cp, -1)
-    half = pieces.shape[1] // 2
     counts = np.zeros((cp, cp), np.int64)
     for step in range(cp):
         for rank in range(cp):
-            source = (rank - step) % cp
-            q, kv = pieces[rank], pieces[source]
-            if not table or step == 0:
-                counts[step, rank] = pairs(q, kv, block, causal=True)
-            elif source < rank:
-                counts[step, rank] = pairs(q, kv[:half], block, causal=False)
-            else:
-                counts[step, rank] = pairs(q[half:], kv, block, causal=False)
+            counts[step, rank] = pairs(pieces[rank], pieces[(rank - step) % cp], block, causal=True)
     return counts
 
 
@@ -90,10 +81,9 @@ def balance(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]
     flops_per_pair = 4 * args.block**2 * args.heads * args.head_dim
     ideal_pairs = (args.length / args.block) ** 2 / 2
     rows = (
-        ("dual_chunk + step table (ring)", "dual_chunk", True),
-        ("dual_chunk, kernel skipping", "dual_chunk", False),
-        ("striped (stripe 1)", "striped", False),
-        ("contiguous (unbalanced)", "contiguous", False),
+        ("dual_chunk (ring)", "dual_chunk"),
+        ("striped (stripe 1)", "striped"),
+        ("contiguous (unbalanced)", "contiguous"),
     )
     lines = [
         "| cp | layout | busiest device (TFLOP) | mean (TFLOP) | busiest / mean | critical path / ideal "
@@ -102,8 +92,8 @@ def balance(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]
     ]
     ratios = []
     for cp in args.cps:
-        for name, layout, table in rows:
-            counts = step_pairs(args.length, cp, args.block, layout, table)
+        for name, layout in rows:
+            counts = step_pairs(args.length, cp, args.block, layout)
             per_device = counts.sum(0)
             critical = counts.max(1).sum()
             lines.append(
@@ -112,7 +102,7 @@ def balance(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]
                 f"| {per_device.max() / per_device.mean():.3f} "
                 f"| {critical / (ideal_pairs / cp):.3f} | {counts.sum() / ideal_pairs:.3f} |"
             )
-            if name.startswith(("dual_chunk + step table", "contiguous")):
+            if name.startswith(("dual_chunk", "contiguous")):
                 ratios.append(
                     (
                         f"ring FLOPs of the busiest device, cp={cp}, {name}",

@@ -246,6 +246,8 @@ def backward(
         dtypes = [grad_dtype or x.dtype for x in (q, k, v)]
     else:
         dtypes = [x.dtype for x in accumulate]
-    sums = (_pad(accumulate[0], 1, bq), _pad(accumulate[1], 1, bk), _pad(accumulate[2], 1, bk))
+    # dq gains a term per block pair, so it sums in float32 (a no-op for the ring's); dk / dv once per key block
+    dq0 = accumulate[0].astype(jnp.float32)
+    sums = (_pad(dq0, 1, bq), _pad(accumulate[1], 1, bk), _pad(accumulate[2], 1, bk))
     sums = lax.fori_loop(0, batch * nk, kv_block, sums)
     return tuple(x[:, :t].astype(dtype) for x, t, dtype in zip(sums, (tq, tk, tk), dtypes, strict=True))

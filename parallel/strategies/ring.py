@@ -1,13 +1,14 @@
-"""`ring`: K and V travel around the context axis with one `ppermute` per step while each device attends its local
-queries to the piece it holds; partial results merge by log-sum-exp in fp32.
+"""`ring`: K and V travel around the context axis, one `ppermute` of each per step, while each device attends its
+local queries to the piece it holds; partial results merge by log-sum-exp in fp32.
 
 Every step is one kernel call over the whole local Q and the piece, causal by global token index: the kernel skips
-block pairs with nothing visible and builds no mask where all are visible, so in the dual_chunk layout the steps
-cost the same on every rank (own piece: the causal diagonal; a piece from a lower rank: all Q x its first chunk;
-from a higher rank: our second chunk x all of it) with no branch on the step. The backward ring sends dK/dV along
-the same path one step behind K/V, so they arrive back at their owner; each step's kernel adds its terms into the
-running dq / dK / dV in place. dK/dV sum and travel in float32, or with `plan.ring_grad_dtype="compute"` in K/V's
-dtype (half the bytes in bfloat16; each step's terms are still computed in float32).
+block pairs with nothing visible (the blockwise kernel also builds no mask where all pairs are visible), so in the
+dual_chunk layout the steps cost the same on every rank (own piece: the causal diagonal; a piece from a lower
+rank: all Q x its first chunk; from a higher rank: our second chunk x all of it) with no branch on the step. The
+backward ring sends dK/dV along the same path one step behind K/V, so they arrive back at their owner; each
+step's kernel adds its terms into the running dq / dK / dV (in place in the blockwise kernel). dK/dV sum and
+travel in float32, or with `plan.ring_grad_dtype="compute"` in K/V's dtype (half the bytes in bfloat16; each
+step's terms are still computed in float32).
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
     blocks = dict(scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
     impl = kernels.select(plan.kernel, interpret=plan.interpret)
 
-    def grad_dtype(kv):
-        return jnp.float32 if plan.ring_grad_dtype == "float32" else kv.dtype
+    def grad_dtype(x):
+        return jnp.float32 if plan.ring_grad_dtype == "float32" else x.dtype
 
     to_next = [(i, (i + 1) % shards) for i in range(shards)]
 

@@ -1,4 +1,5 @@
-"""Structural claims on traced and compiled programs: ring moves K and V as ONE array, one permute per step;
+"""Structural claims on traced and compiled programs: ring moves K and V, one permute of each per step (no stacked
+copy);
 Ulysses has exactly two all-to-alls in the forward pass; the gradients of the K / V gathers are reduce-scatters."""
 
 import re
@@ -54,14 +55,14 @@ def compiled_ops(fn, mesh, op: str) -> list[str]:
 
 
 @pytest.mark.parametrize("shards", [2, 4, 8])
-def test_ring_one_stacked_permute_per_step(shards):
+def test_ring_permutes_k_and_v_once_per_step(shards):
     mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
     fn = attention_fn("ring", mesh)
     with jax.set_mesh(mesh):
-        assert dynamic_count(jax.make_jaxpr(fn)(*args()).jaxpr, "ppermute") == shards - 1
+        assert dynamic_count(jax.make_jaxpr(fn)(*args()).jaxpr, "ppermute") == 2 * (shards - 1)
     permutes = compiled_ops(fn, mesh, "collective-permute")
-    stacked = f"f32[{BATCH},{LENGTH // shards},{KV_HEADS},{DQK + DV}]"
-    assert permutes and all(stacked in line for line in permutes), permutes
+    pieces = [f"f32[{BATCH},{LENGTH // shards},{KV_HEADS},{d}]" for d in (DQK, DV)]
+    assert permutes and all(any(piece in line for piece in pieces) for line in permutes), permutes
 
 
 @pytest.mark.parametrize("shards", [2, 8])
