@@ -13,7 +13,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from parallel.segments import block_summary, full_blocks, visible_blocks
+from parallel.segments import INT32_MAX, block_summary, full_blocks, visible_blocks
 
 
 def _pad(x, axis: int, multiple: int, value=0):
@@ -24,6 +24,12 @@ def _pad(x, axis: int, multiple: int, value=0):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_keys_index(kv_index, multiple: int):
+    """Pads [tk] key indices with INT32_MAX: padded keys (segment 0, never visible) then leave the last block's
+    causal range as its real keys', so query blocks before them skip it instead of computing it masked."""
+    return _pad(kv_index, 0, multiple, INT32_MAX)
 
 
 def _padded_blocks(length: int, block: int) -> tuple[int, int]:
@@ -111,7 +117,7 @@ def forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q
     bq, nq = _padded_blocks(tq, block_q)
     bk, _ = _padded_blocks(tk, block_kv)
     q, q_seg, q_index = _pad(q, 1, bq), _pad(q_seg, 1, bq), _pad(q_index, 0, bq)
-    k, v, kv_seg, kv_index = _pad(k, 1, bk), _pad(v, 1, bk), _pad(kv_seg, 1, bk), _pad(kv_index, 0, bk)
+    k, v, kv_seg, kv_index = _pad(k, 1, bk), _pad(v, 1, bk), _pad(kv_seg, 1, bk), _pad_keys_index(kv_index, bk)
     kinds = _pair_kinds(q_seg, kv_seg, q_index, kv_index, bq, bk, causal)
     first, last = _block_ranges(kinds > SKIP)
 
@@ -194,7 +200,7 @@ def backward(
     bk, nk = _padded_blocks(tk, block_kv)
     q, dout, q_seg, q_index = _pad(q, 1, bq), _pad(dout, 1, bq), _pad(q_seg, 1, bq), _pad(q_index, 0, bq)
     lse, delta = _pad(lse, 1, bq, -jnp.inf), _pad(delta, 1, bq)
-    k, v, kv_seg, kv_index = _pad(k, 1, bk), _pad(v, 1, bk), _pad(kv_seg, 1, bk), _pad(kv_index, 0, bk)
+    k, v, kv_seg, kv_index = _pad(k, 1, bk), _pad(v, 1, bk), _pad(kv_seg, 1, bk), _pad_keys_index(kv_index, bk)
     kinds_t = jnp.swapaxes(_pair_kinds(q_seg, kv_seg, q_index, kv_index, bq, bk, causal), 1, 2)  # [batch, nk, nq]
     first, last = _block_ranges(kinds_t > SKIP)
     lse, delta = lse[..., None], delta[..., None]

@@ -107,7 +107,7 @@ def _prepare(q, k, v, q_seg, kv_seg, q_index, kv_index, block_q, block_kv):
     k = _pad_to(_pad_to(k, 1, tk), 3, dqk)
     v = _pad_to(_pad_to(v, 1, tk), 3, dv)
     q_seg, q_index = _pad_to(q_seg, 1, tq), _pad_to(q_index, 0, tq)
-    kv_seg, kv_index = _pad_to(kv_seg, 1, tk), _pad_to(kv_index, 0, tk)
+    kv_seg, kv_index = _pad_to(kv_seg, 1, tk), _pad_to(kv_index, 0, tk, INT32_MAX)  # padded keys skip causally
     return (q, k, v, q_seg, kv_seg, q_index, kv_index), (bq, bk)
 
 

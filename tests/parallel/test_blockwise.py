@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
-from parallel.blockwise import _padded_blocks
+from parallel.blockwise import SKIP, _pad_keys_index, _padded_blocks, _pair_kinds
 from parallel.segments import block_summary, visible_blocks
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
@@ -121,3 +121,15 @@ def test_blocks_fit_the_length(length, block):
     size, count = _padded_blocks(length, block)
     assert size <= block and count == -(-length // block)
     assert 0 <= size * count - length < 8 * count
+
+
+def test_padded_key_block_is_skipped_causally():
+    """A length that is not whole blocks: the last key block (real keys 32..39, then padding) is skipped by the
+    causal query blocks before it, as if it had no padding."""
+    length, block = 40, 16
+    size, count = _padded_blocks(length, block)
+    seg = jnp.pad(jnp.ones((1, length), jnp.int32), ((0, 0), (0, size * count - length)))
+    q_index = jnp.pad(jnp.arange(length, dtype=jnp.int32), (0, size * count - length))
+    kv_index = _pad_keys_index(jnp.arange(length, dtype=jnp.int32), size)
+    kinds = np.asarray(_pair_kinds(seg, seg, q_index, kv_index, size, size, causal=True))[0]
+    assert (kinds[:-1, -1] == SKIP).all() and (kinds[-1] != SKIP).all()
