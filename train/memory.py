@@ -121,7 +121,8 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     """Compiles the configured train step for the mesh over `devices` (default: all) on abstract state and
     batch, and returns the bytes per device (`compute.dtype=auto` planned as bfloat16, see for_accelerator; on CPU
     the ragged expert dispatch is planned as the capacity dispatch, whose buffers have the same size, and the Pallas
-    attention kernel as the blockwise one, which holds the same per-block temporaries)."""
+    and cuDNN attention kernels as the blockwise one, which holds the same per-block temporaries; cuDNN's softmax
+    statistics, batch x 64 segments x heads x tokens floats per call, are not counted)."""
     config = for_accelerator(config)
     mesh = make_mesh(config.mesh, devices)
     check_built_mesh(config, mesh)
@@ -130,7 +131,7 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     parallel_config = config.parallel
     if platform == "cpu" and parallel_config.expert_dispatch == "ragged":
         parallel_config = dataclasses.replace(parallel_config, expert_dispatch="capacity")
-    if platform == "cpu" and parallel_config.attention_kernel == "pallas":
+    if platform == "cpu" and parallel_config.attention_kernel in ("pallas", "cudnn"):
         parallel_config = dataclasses.replace(parallel_config, attention_kernel="blockwise")
     tx = make_optimizer(config.optimizer, config.train.steps)
     graphdef, state, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)

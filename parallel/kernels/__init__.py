@@ -1,7 +1,8 @@
 """One attention kernel interface for every strategy: `attention` (differentiable in q, k, v and lse) and, through
 `select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
-lse). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs them on CPU), and the
-blockwise kernel (parallel/blockwise.py), the default and the reference."""
+lse). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs them on CPU), cuDNN flash
+attention on packed rows (parallel/kernels/cudnn.py; GPU, Hopper), and the blockwise kernel (parallel/blockwise.py),
+the default and the reference."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import jax
 import jax.numpy as jnp
 
 from parallel import blockwise
-from parallel.kernels import pallas
+from parallel.kernels import cudnn, pallas
 
-KERNELS = ("auto", "pallas", "blockwise")
+KERNELS = ("auto", "pallas", "blockwise", "cudnn")
 
 
 class Kernel(NamedTuple):
@@ -31,14 +32,23 @@ class Kernel(NamedTuple):
 
 def select(kernel: str = "auto", *, interpret: bool = False, backend: str | None = None) -> Kernel:
     """The kernel named `kernel` for `backend` (default: JAX's). auto = blockwise on every backend for now: the
-    Pallas kernels are opt-in on GPU until they have run on one (their Triton lowering is untested).
-    `interpret=True` runs the Pallas kernels in interpret mode (any backend). Raises ValueError naming the
-    kernel when it is unknown or cannot run on the backend."""
+    Pallas and cuDNN kernels are opt-in on GPU until they have run on one (their lowerings are untested).
+    `interpret=True` runs the Pallas kernels in interpret mode (any backend). cudnn runs the blockwise kernel for
+    calls whose static global indices it cannot mask (cudnn.Unservable). Raises ValueError naming the kernel when
+    it is unknown or cannot run on the backend."""
     backend = backend or jax.default_backend()
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
     if kernel in ("auto", "blockwise"):
         return Kernel("blockwise", blockwise.forward, blockwise.backward)
+    if kernel == "cudnn":
+        if backend != "gpu":
+            raise ValueError(
+                f"attention kernel 'cudnn' runs on GPU (cuDNN), not {backend}; choose blockwise or auto there"
+            )
+        return Kernel(
+            "cudnn", _or_blockwise(cudnn.forward, blockwise.forward), _or_blockwise(cudnn.backward, blockwise.backward)
+        )
     if backend != "gpu" and not interpret:
         raise ValueError(
             f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "
@@ -49,6 +59,20 @@ def select(kernel: str = "auto", *, interpret: bool = False, backend: str | None
         functools.partial(pallas.forward, interpret=interpret),
         functools.partial(pallas.backward, interpret=interpret),
     )
+
+
+def _or_blockwise(kernel: Callable, fallback: Callable) -> Callable:
+    """`kernel`, or `fallback` (the same arguments) for a call it raises cudnn.Unservable on."""
+
+    @functools.wraps(kernel)
+    def call(*args, **kwargs):
+        """kernel(*args, **kwargs), else fallback(*args, **kwargs)."""
+        try:
+            return kernel(*args, **kwargs)
+        except cudnn.Unservable:
+            return fallback(*args, **kwargs)
+
+    return call
 
 
 def attention(

@@ -168,6 +168,9 @@ def test_attention_kernel_by_platform():
     assert make_plan(ParallelConfig(attention_kernel="pallas"), {}, "gpu").kernel == "pallas"
     with pytest.raises(MeshError, match=r"attention_kernel='pallas': attention kernel 'pallas' compiles for GPU"):
         make_plan(ParallelConfig(attention_kernel="pallas"), {}, "cpu")
+    assert make_plan(ParallelConfig(attention_kernel="cudnn"), {}, "gpu").kernel == "cudnn"
+    with pytest.raises(MeshError, match=r"attention_kernel='cudnn': attention kernel 'cudnn' runs on GPU \(cuDNN\)"):
+        make_plan(ParallelConfig(attention_kernel="cudnn"), {}, "cpu")
 
 
 def test_ring_grad_dtype_reaches_the_plan():

@@ -1,0 +1,319 @@
+"""cuDNN flash attention on packed rows (THD: per-segment lengths and offsets), behind the kernel interface.
+
+It calls JAX's cuDNN primitives directly (jax._src.cudnn.fused_attention_stablehlo), not the public wrapper,
+whose VJP drops the softmax statistics' cotangent. What the primitives give and this module adapts:
+
+- Masks: cuDNN knows segments (from seqlens / offsets) and top-left causality within a segment, not global token
+  indices. So a call is served when it is the causal DIAGONAL (queries and keys are one token set, in increasing
+  global order: PADDING_CAUSAL) or ALL_VISIBLE within segments (non-causal, or every key precedes every query:
+  PADDING). Anything else is `Unservable` when the indices are static, and runs the blockwise kernel (a
+  `lax.switch` branch) when they are traced or the row has more segments than `max_segments`.
+- Metadata: a row's segment id s occupies slot s - (smallest query id of the row); each segment must be one
+  contiguous run of the row (documents are; so are a load-balanced piece's, which keeps global order). A row's
+  query ids may span at most `max_segments` ids: a call with more runs the blockwise kernel (a run-time branch),
+  since the statistics cost batch x max_segments x heads x tq floats. Empty slots are -1 in both
+  seqlens and offsets (a 0 length would stay in the primitive's left-shifted list while its -1 offset leaves it).
+- GQA: the primitive scales key / value offsets by the QUERY head count, so K / V are repeated to the query heads
+  and dK / dV summed back over each group.
+- Head dims: the primitive uses one offset list for K and V and one for Q and O, in elements of Q's head dim; so
+  Q, K and V are zero-padded to one width (a multiple of 8) and out / grads sliced back (MLA included, with no
+  cuDNN 9.10 requirement).
+- Statistics: the forward's second output is the natural-log lse of the scaled scores, float32
+  [batch * max_segments, heads, tq]: row = the segment's rank among the non-empty slots of all rows, column = the
+  position within the segment. It maps to and from lse [batch, tq, heads].
+- Tokens in no segment come back as garbage: out / grads zeroed there, lse = -inf.
+- dlse: the backward computes delta_i = dout_i . out_i itself, and d score_ij = p_ij (dp_ij - (delta_i - dlse_i))
+  (parallel.blockwise.backward). So two extra value features carry it exactly: dout = 1 and out = -hi, -lo with
+  hi + lo = dlse (hi in the input dtype, lo the remainder), V = 0 there, so dp is unchanged, delta gains -dlse,
+  and the matching dV columns are dropped.
+
+`Primitives` holds the two primitive binds; tests pass a dense stand-in with the same signature.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src.cudnn import fused_attention_stablehlo as fa
+
+from parallel import blockwise
+from parallel.segments import INT32_MAX, seqlens_offsets
+
+DIAGONAL, ALL_VISIBLE, GENERAL = 0, 1, 2
+MASKS = {DIAGONAL: fa.MaskType.PADDING_CAUSAL, ALL_VISIBLE: fa.MaskType.PADDING}
+MAX_SEGMENTS = 64
+
+
+class Unservable(ValueError):
+    """A call whose global indices cuDNN's masks cannot express."""
+
+
+class Primitives(NamedTuple):
+    """forward / backward with the binds' signatures: fa._dot_product_attention_fwd_p_wrapper.bind (10 operands,
+    then scale, seed, dropout_rate, variadic_args, mask_type, layout, sliding_window_length, is_training) ->
+    [out, stats]; the bwd wrapper's bind (the same 10, stats, out, dout; the same keywords less is_training) ->
+    [dq, dk, dv]."""
+
+    forward: object
+    backward: object
+
+
+CUDNN = Primitives(fa._dot_product_attention_fwd_p_wrapper.bind, fa._dot_product_attention_bwd_p_wrapper.bind)
+
+
+class Metadata(NamedTuple):
+    """Packed-row metadata in the primitive's convention, and where each token sits in it."""
+
+    q_seqlen: jax.Array  # [batch, m] int32, -1 for an empty slot
+    kv_seqlen: jax.Array  # [batch, m]
+    q_offsets: jax.Array  # [batch, m + 1] int32 first token of each slot, -1 for empty slots and the last column
+    kv_offsets: jax.Array  # [batch, m + 1]
+    q_row: jax.Array  # [batch, tq] int32 stats row of the token's segment, batch * m if in none
+    q_pos: jax.Array  # [batch, tq] int32 position within the segment
+    q_valid: jax.Array  # [batch, tq] bool: in a served segment
+    kv_valid: jax.Array  # [batch, tk] bool
+
+
+def call_kind(q_index, kv_index, causal: bool):
+    """[tq], [tk] global indices -> DIAGONAL or ALL_VISIBLE when static (numpy or concrete), None when traced (the
+    kind is then decided at run time); raises Unservable for any other static pattern."""
+    if not causal:
+        return ALL_VISIBLE
+    try:
+        q, kv = np.asarray(q_index), np.asarray(kv_index)
+    except jax.errors.TracerArrayConversionError:
+        return None
+    if q.shape == kv.shape and (q == kv).all() and (np.diff(q) > 0).all():
+        return DIAGONAL
+    if kv.max() <= q.min():
+        return ALL_VISIBLE
+    raise Unservable(
+        "attention kernel 'cudnn' serves the causal diagonal (same increasing indices) or keys that all precede the "
+        "queries; these global indices are neither"
+    )
+
+
+def runtime_kind(q_index, kv_index, q_seg, kv_seg):
+    """Traced call_kind for a causal call: [tq], [tk] indices, [batch, t] ids -> int32 DIAGONAL, ALL_VISIBLE or
+    GENERAL."""
+    all_visible = jnp.max(kv_index) <= jnp.min(q_index)
+    if q_index.shape != kv_index.shape or q_seg.shape != kv_seg.shape:
+        return jnp.where(all_visible, ALL_VISIBLE, GENERAL)
+    diagonal = jnp.all(q_index == kv_index) & jnp.all(jnp.diff(q_index) > 0) & jnp.all(q_seg == kv_seg)
+    return jnp.where(diagonal, DIAGONAL, jnp.where(all_visible, ALL_VISIBLE, GENERAL))
+
+
+def _base(q_seg):
+    """[batch, tq] ids -> [batch, 1] int32: one below the row's smallest query id (slot s = id - base)."""
+    return jnp.min(jnp.where(q_seg > 0, q_seg, INT32_MAX), axis=1, keepdims=True) - 1
+
+
+def too_many_segments(q_seg, max_segments: int):
+    """[batch, tq] ids -> bool scalar: some row's query ids span more than `max_segments` slots."""
+    return jnp.any((q_seg > 0) & (q_seg - _base(q_seg) > max_segments))
+
+
+def metadata(q_seg, kv_seg, max_segments: int) -> Metadata:
+    """q_seg [batch, tq], kv_seg [batch, tk] int32 segment ids (0 = padding) -> Metadata with m = max_segments
+    (query ids spanning at most max_segments slots: see too_many_segments)."""
+    batch, tq = q_seg.shape
+    base = _base(q_seg)
+
+    def slot(seg):
+        """[batch, t] ids -> [batch, t] slots 1.. relative to the row's smallest query id, 0 below it or padding."""
+        return jnp.where((seg > 0) & (seg > base), seg - base, 0)
+
+    q_slot, kv_slot = slot(q_seg), slot(kv_seg)
+    q_pos = jnp.broadcast_to(jnp.arange(tq, dtype=jnp.int32), q_seg.shape)
+    kv_pos = jnp.broadcast_to(jnp.arange(kv_seg.shape[1], dtype=jnp.int32), kv_seg.shape)
+    q_len, kv_len, q_off, kv_off = seqlens_offsets(
+        q_slot, kv_slot, q_pos, kv_pos, max_segments=max_segments, mask="padding"
+    )
+    filled = q_len > 0  # padding mask: a slot has queries iff it has keys
+    rank = (jnp.cumsum(filled.reshape(-1)) - 1).reshape(filled.shape)
+
+    def lookup(table, slots):
+        """table [batch, m], slots [batch, t] (1-based) -> [batch, t] entries."""
+        return jnp.take_along_axis(table, jnp.clip(slots - 1, 0, max_segments - 1), axis=1)
+
+    def valid(slots):
+        """[batch, t] slots -> [batch, t] bool: in a slot that has both queries and keys."""
+        return (slots > 0) & (slots <= max_segments) & lookup(filled, slots)
+
+    q_valid = valid(q_slot)
+    end = jnp.full((batch, 1), -1, jnp.int32)
+    return Metadata(
+        q_seqlen=jnp.where(filled, q_len, -1),
+        kv_seqlen=jnp.where(filled, kv_len, -1),
+        q_offsets=jnp.concatenate([jnp.where(filled, q_off, -1), end], axis=1),
+        kv_offsets=jnp.concatenate([jnp.where(filled, kv_off, -1), end], axis=1),
+        q_row=jnp.where(q_valid, lookup(rank, q_slot), batch * max_segments),
+        q_pos=jnp.where(q_valid, q_pos - lookup(q_off, q_slot), 0),
+        q_valid=q_valid,
+        kv_valid=valid(kv_slot),
+    )
+
+
+def lse_from_stats(stats, meta: Metadata):
+    """stats [batch * m, heads, tq] float32 -> lse [batch, tq, heads], -inf for tokens in no segment."""
+    lse = stats[jnp.minimum(meta.q_row, stats.shape[0] - 1), :, meta.q_pos]
+    return jnp.where(meta.q_valid[..., None], lse, -jnp.inf)
+
+
+def stats_from_lse(lse, meta: Metadata, rows: int):
+    """lse [batch, tq, heads] -> stats [rows, heads, tq] float32 (zeros where no token maps)."""
+    stats = jnp.zeros((rows, lse.shape[2], lse.shape[1]), jnp.float32)
+    return stats.at[meta.q_row, :, meta.q_pos].set(lse.astype(jnp.float32), mode="drop")
+
+
+def _pad_last(x, width: int):
+    """x [..., d] zero-padded to [..., width]."""
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def _width(dqk: int, dv: int, extra: int) -> int:
+    """One head width for Q, K, V: the larger of dqk and dv + extra, rounded up to a multiple of 8."""
+    return -(-max(dqk, dv + extra) // 8) * 8
+
+
+def _operands(q, k, v, width: int):
+    """q [b, tq, h, dqk], k [b, tk, hkv, dqk], v [b, tk, hkv, dv] -> the three padded to `width`, k / v with their
+    heads repeated to h."""
+    group = q.shape[2] // k.shape[2]
+    return (
+        _pad_last(q, width),
+        _pad_last(jnp.repeat(k, group, axis=2), width),
+        _pad_last(jnp.repeat(v, group, axis=2), width),
+    )
+
+
+def _branch(kind, q_index, kv_index, q_seg, kv_seg, max_segments: int):
+    """int32 scalar: the call's kind (static `kind`, or decided from the traced indices when None), GENERAL (the
+    blockwise kernel) when a row has more segments than max_segments."""
+    kind = runtime_kind(q_index, kv_index, q_seg, kv_seg) if kind is None else jnp.int32(kind)
+    return jnp.where(too_many_segments(q_seg, max_segments), GENERAL, kind)
+
+
+def _params(kind: int, scale: float) -> dict:
+    """The binds' keyword parameters for a call of `kind`."""
+    return dict(
+        scale=float(scale),
+        seed=42,
+        dropout_rate=0.0,
+        variadic_args=(False, False),
+        mask_type=MASKS[kind],
+        layout=fa.AttentionLayout.BTNH.value,
+        sliding_window_length=None,
+    )
+
+
+def _check(q, dv: int, primitives: Primitives):
+    """q [b, tq, h, dqk], value head dim dv: raises ValueError for inputs the real primitives reject; on a GPU,
+    JAX's own flash-attention check of the padded operands."""
+    if primitives is not CUDNN:
+        return
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise ValueError(f"attention kernel 'cudnn' takes bfloat16 or float16 inputs, not {q.dtype}")
+    if jax.default_backend() == "gpu":
+        padded = jax.ShapeDtypeStruct((*q.shape[:3], _width(q.shape[-1], dv, 2)), q.dtype)
+        version = fa.check_cudnn_version()
+        fa.check_is_flash_attention(padded, padded, padded, fa.AttentionLayout.BTNH.value, version, False, True, True)
+
+
+def _served_forward(kind, q, k, v, q_seg, kv_seg, *, scale, max_segments, primitives):
+    """One served kind: (out [b, tq, h, dv] in q's dtype, lse [b, tq, h] float32)."""
+    dv = v.shape[-1]
+    meta = metadata(q_seg, kv_seg, max_segments)
+    qp, kp, vp = _operands(q, k, v, _width(q.shape[-1], dv, 0))
+    empty = jnp.zeros((0,), q.dtype)
+    out, stats = primitives.forward(
+        qp, kp, vp, empty, meta.q_seqlen, meta.kv_seqlen, meta.q_offsets, meta.kv_offsets, empty, empty,
+        **_params(kind, scale), is_training=True,
+    )  # fmt: skip
+    out = jnp.where(meta.q_valid[..., None, None], out[..., :dv], 0).astype(q.dtype)
+    return out, lse_from_stats(stats, meta)
+
+
+def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale, max_segments, primitives):
+    """One served kind: float32 (dq [b, tq, h, dqk], dk [b, tk, hkv, dqk], dv [b, tk, hkv, dv])."""
+    batch, _, heads, dqk = q.shape
+    tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
+    meta = metadata(q_seg, kv_seg, max_segments)
+    width = _width(dqk, dv, 0 if dlse is None else 2)
+    qp, kp, vp = _operands(q, k, v, width)
+    out, dout = _pad_last(out.astype(q.dtype), width), _pad_last(dout.astype(q.dtype), width)
+    if dlse is not None:
+        dlse = jnp.where(meta.q_valid[..., None], dlse, 0.0)
+        hi = dlse.astype(q.dtype)
+        lo = (dlse.astype(jnp.float32) - hi.astype(jnp.float32)).astype(q.dtype)
+        out = out.at[..., dv].set(-hi).at[..., dv + 1].set(-lo)
+        dout = dout.at[..., dv : dv + 2].set(1)
+    stats = stats_from_lse(lse, meta, batch * max_segments)
+    empty = jnp.zeros((0,), q.dtype)
+    dq, dk, dv_ = primitives.backward(
+        qp, kp, vp, empty, meta.q_seqlen, meta.kv_seqlen, meta.q_offsets, meta.kv_offsets, empty, empty,
+        stats, out, dout, **_params(kind, scale),
+    )  # fmt: skip
+
+    def grouped(x, d):
+        """[b, tk, heads, width] -> float32 [b, tk, kv_heads, d] summed over each group, zero outside segments."""
+        x = x[..., :d].astype(jnp.float32).reshape(batch, tk, kv_heads, heads // kv_heads, d).sum(3)
+        return jnp.where(meta.kv_valid[..., None, None], x, 0.0)
+
+    dq = jnp.where(meta.q_valid[..., None, None], dq[..., :dqk].astype(jnp.float32), 0.0)
+    return dq, grouped(dk, dqk), grouped(dv_, dv)
+
+
+def forward(
+    q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, out_dtype=None,
+    max_segments=MAX_SEGMENTS, primitives=CUDNN,
+):  # fmt: skip
+    """parallel.blockwise.forward's arguments and results: (out [b, tq, h, dv] in `out_dtype` (default q's), lse
+    [b, tq, h] float32). Raises Unservable for static indices cuDNN cannot mask (see call_kind); traced ones that
+    turn out general, and rows with more than max_segments segments, run the blockwise kernel."""
+    max_segments = max(2, max_segments)
+    branch = _branch(call_kind(q_index, kv_index, causal), q_index, kv_index, q_seg, kv_seg, max_segments)
+    _check(q, v.shape[-1], primitives)
+    served = functools.partial(_served_forward, scale=scale, max_segments=max_segments, primitives=primitives)
+
+    def general(q, k, v, q_seg, kv_seg):
+        """The blockwise kernel on the same operands: (out [b, tq, h, dv], lse [b, tq, h])."""
+        static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
+        return blockwise.forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static, out_dtype=q.dtype)
+
+    branches = (functools.partial(served, DIAGONAL), functools.partial(served, ALL_VISIBLE), general)
+    out, lse = lax.switch(branch, branches, q, k, v, q_seg, kv_seg)
+    return out.astype(out_dtype or q.dtype), lse
+
+
+def backward(
+    q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *, causal, scale, block_q, block_kv,
+    grad_dtype=None, accumulate=None, max_segments=MAX_SEGMENTS, primitives=CUDNN,
+):  # fmt: skip
+    """parallel.blockwise.backward's arguments and results: (dq, dk, dv) given the final out / lse and their
+    cotangents (dlse may be None), in `grad_dtype` (default: q, k, v's dtypes), or added into `accumulate` sums in
+    their dtypes. Raises Unservable as `forward` does."""
+    max_segments = max(2, max_segments)
+    branch = _branch(call_kind(q_index, kv_index, causal), q_index, kv_index, q_seg, kv_seg, max_segments)
+    _check(q, v.shape[-1], primitives)
+    served = functools.partial(_served_backward, scale=scale, max_segments=max_segments, primitives=primitives)
+
+    def general(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
+        """The blockwise kernel on the same operands: float32 (dq, dk, dv)."""
+        static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, grad_dtype=jnp.float32)
+        return blockwise.backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, **static)
+
+    def kind_of(kind):
+        """The served backward of `kind` as a switch branch (operands as `general`'s)."""
+        return lambda *a: served(kind, *a)
+
+    branches = (kind_of(DIAGONAL), kind_of(ALL_VISIBLE), general)
+    grads = lax.switch(branch, branches, q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
+    if accumulate is not None:
+        return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))
+    return tuple(g.astype(grad_dtype or x.dtype) for g, x in zip(grads, (q, k, v), strict=True))

@@ -1,0 +1,252 @@
+"""The cuDNN packed-attention kernel on CPU: its metadata rebuilt into a mask equals the reference mask, stats and
+lse map into each other, the whole forward / backward with a dense stand-in for the primitives equals the
+blockwise kernel, the real primitives trace, and which calls and backends it serves."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallel import blockwise, kernels
+from parallel.kernels import cudnn
+from parallel.reorder import layout_index
+from tests.parallel.attention_reference import packed_segments
+from tests.parallel.cudnn_standin import STANDIN
+from tests.parallel.test_kernels import HEADS, LENGTH, assert_same, inputs
+
+STATIC = dict(scale=0.25, block_q=16, block_kv=16)
+
+
+def poisoned_forward(q, k, v, bias, q_seqlen, *rest, **params):
+    """The forward primitive's signature and shapes, all NaN: a call that takes it shows in every output."""
+    rows = q_seqlen.shape[0] * q_seqlen.shape[1]
+    return [jnp.full(q.shape, jnp.nan, q.dtype), jnp.full((rows, q.shape[2], q.shape[1]), jnp.nan, jnp.float32)]
+
+
+def poisoned_backward(q, k, v, *rest, **params):
+    """The backward primitive's signature and shapes, all NaN."""
+    return [jnp.full(x.shape, jnp.nan, x.dtype) for x in (q, k, v)]
+
+
+POISONED = cudnn.Primitives(poisoned_forward, poisoned_backward)
+
+
+def mask_from_metadata(meta: cudnn.Metadata, causal: bool):
+    """Metadata -> [batch, tq, tk] bool: (q, k) visible iff both lie in one non-empty slot's runs (and k's position
+    in its run <= q's, if causal)."""
+    masks = []
+    for b in range(meta.q_seqlen.shape[0]):
+        q_len, kv_len = np.asarray(meta.q_seqlen[b]), np.asarray(meta.kv_seqlen[b])
+        q_off, kv_off = np.asarray(meta.q_offsets[b]), np.asarray(meta.kv_offsets[b])
+        mask = np.zeros((meta.q_valid.shape[1], meta.kv_valid.shape[1]), bool)
+        for s in np.flatnonzero(q_len >= 0):
+            block = np.ones((q_len[s], kv_len[s]), bool)
+            if causal:
+                block = np.tril(block)
+            mask[q_off[s] : q_off[s] + q_len[s], kv_off[s] : kv_off[s] + kv_len[s]] = block
+        masks.append(mask)
+    return np.stack(masks)
+
+
+def reference_mask(q_seg, kv_seg, causal: bool):
+    """[batch, tq, tk] bool: same non-zero segment (and kv index <= q index, local order, if causal)."""
+    q_seg, kv_seg = np.asarray(q_seg), np.asarray(kv_seg)
+    mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (q_seg[:, :, None] > 0)
+    return mask & np.tril(np.ones(mask.shape[1:], bool)) if causal else mask
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_metadata_rebuilds_the_mask(causal):
+    """Packed rows with padding gaps, a fully padded row, ids starting above 1 (a piece's), and for all-visible
+    calls keys from other pieces (ids below the queries', absent from them); empty slots -1 in seqlens and
+    offsets alike, so their left-shifted lists stay aligned."""
+    seg = packed_segments(3, LENGTH, seed=5)
+    seg[1] = np.where(seg[1] > 0, seg[1] + 7, 0)  # ids 8.. as in a later piece of the sequence
+    kv_seg = seg.copy() if causal else np.where(seg > 0, seg + 1, 0)  # for keys: doc d's ids belong to doc d + 1
+    meta = cudnn.metadata(jnp.asarray(seg), jnp.asarray(kv_seg), max_segments=24)
+    assert np.array_equal(mask_from_metadata(meta, causal), reference_mask(seg, kv_seg, causal))
+    for lengths, offsets in ((meta.q_seqlen, meta.q_offsets), (meta.kv_seqlen, meta.kv_offsets)):
+        assert np.array_equal(np.asarray(lengths) < 0, np.asarray(offsets[:, :-1]) < 0)
+        assert np.all(np.asarray(offsets[:, -1]) == -1) and np.all(np.asarray(lengths) != 0)
+    assert np.array_equal(meta.q_valid, reference_mask(seg, kv_seg, False).any(-1))
+    assert np.array_equal(meta.kv_valid, reference_mask(seg, kv_seg, False).any(-2))
+
+
+def test_too_many_segments_run_the_blockwise_kernel():
+    """A row whose query ids span more than max_segments slots: the call runs the blockwise kernel (equal to it),
+    with static and with traced indices; within the limit it runs the stand-in."""
+    seg = jnp.asarray(np.repeat(np.arange(1, 13, dtype=np.int32), 4)[None].repeat(2, 0))
+    assert bool(cudnn.too_many_segments(seg, 8)) and not bool(cudnn.too_many_segments(seg, 12))
+    q, k, v = inputs(*HEADS["gqa"])
+    index = np.arange(LENGTH)
+    args = (q, k, v, seg, seg, index, index, True)
+    want = run(blockwise.forward, blockwise.backward, *args)
+    kernel = [functools.partial(f, primitives=STANDIN, max_segments=8) for f in (cudnn.forward, cudnn.backward)]
+    assert_same(run(*kernel, *args), want)
+    assert_same(jax.jit(lambda i: run(*kernel, *args[:5], i, i, True))(index), want)
+    standin = [functools.partial(f, primitives=POISONED, max_segments=8) for f in (cudnn.forward, cudnn.backward)]
+    assert_same(run(*standin, *args), want)  # the primitives are never taken
+    standin = [functools.partial(f, primitives=POISONED, max_segments=12) for f in (cudnn.forward, cudnn.backward)]
+    assert np.isnan(np.asarray(run(*standin, *args)[0])).all()
+
+
+def test_stats_and_lse_round_trip():
+    """lse -> stats -> lse is the identity on tokens in a segment and -inf elsewhere; stats rows are the non-empty
+    slots of all rows in order, columns positions within the segment."""
+    seg = jnp.asarray(packed_segments(2, LENGTH, seed=1))
+    meta = cudnn.metadata(seg, seg, max_segments=16)
+    lse = jnp.asarray(np.random.default_rng(0).normal(size=(2, LENGTH, 3)), jnp.float32)
+    stats = cudnn.stats_from_lse(lse, meta, rows=2 * 16)
+    back = cudnn.lse_from_stats(stats, meta)
+    assert np.array_equal(np.asarray(back), np.where(np.asarray(meta.q_valid)[..., None], lse, -np.inf))
+    first = int(np.asarray(meta.q_offsets)[0, 0])  # row 0's first segment: stats row 0, position 0
+    assert np.array_equal(stats[0, :, 0], lse[0, first])
+
+
+def run(forward, backward, q, k, v, q_seg, kv_seg, q_index, kv_index, causal):
+    """(out, lse, dq, dk, dv) of a loss through out and lse (a nonzero dlse), through forward / backward."""
+    rng = np.random.default_rng(1)
+    w_out = jnp.asarray(rng.normal(size=(*q.shape[:3], v.shape[-1])), jnp.float32)
+    w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
+    static = dict(causal=causal, **STATIC)
+    out, lse = forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static)
+    dlse = jnp.where(jnp.isfinite(lse), w_lse, 0.0)
+    grads = backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, w_out, dlse, **static)
+    return out, lse, *grads
+
+
+STANDIN_KERNEL = (
+    functools.partial(cudnn.forward, primitives=STANDIN, max_segments=24),
+    functools.partial(cudnn.backward, primitives=STANDIN, max_segments=24),
+)
+
+
+def ring_piece_case(packed: bool):
+    """Queries at global indices 48..95 against keys at 0..47 of one packed sequence of 96: all keys precede."""
+    seg = packed_segments(2, 2 * LENGTH, seed=3) if packed else np.ones((2, 2 * LENGTH), np.int32)
+    index = np.arange(2 * LENGTH, dtype=np.int32)
+    return jnp.asarray(seg[:, LENGTH:]), jnp.asarray(seg[:, :LENGTH]), index[LENGTH:], index[:LENGTH]
+
+
+@pytest.mark.parametrize(
+    "heads, packed, kind",
+    [
+        ("mha", True, "diagonal"),
+        ("gqa", True, "diagonal"),
+        ("mla", False, "diagonal"),
+        ("gqa", True, "preceding"),
+        ("mla", True, "preceding"),
+        ("mha", False, "preceding"),
+        ("gqa", True, "full"),
+        ("mla", True, "full"),
+    ],
+)
+def test_standin_kernel_equals_blockwise(heads, packed, kind):
+    """Diagonal: causal, one token set; preceding: causal, every key before every query (a ring step's piece);
+    full: non-causal. Packed rows have a fully padded row (no visible key: zeros, lse -inf, zero grads)."""
+    q, k, v = inputs(*HEADS[heads])
+    if kind == "preceding":
+        q_seg, kv_seg, q_index, kv_index = ring_piece_case(packed)
+    else:
+        seg = jnp.asarray(packed_segments(2, LENGTH) if packed else np.ones((2, LENGTH), np.int32))
+        q_seg, kv_seg, q_index, kv_index = seg, seg, np.arange(LENGTH), np.arange(LENGTH)
+    args = (q, k, v, q_seg, kv_seg, q_index, kv_index, kind != "full")
+    assert_same(run(*STANDIN_KERNEL, *args), run(blockwise.forward, blockwise.backward, *args))
+
+
+def test_traced_indices_choose_the_kind_at_run_time():
+    """Under jit the indices are traced: the diagonal and preceding calls run the stand-in, general ones (queries
+    before keys; a dual_chunk ring step, partly visible) the blockwise kernel, all equal to blockwise."""
+    q, k, v = inputs(*HEADS["gqa"])
+    seg = jnp.asarray(packed_segments(2, LENGTH))
+    q_seg, kv_seg, q_index, kv_index = ring_piece_case(True)
+    cases = [(seg, seg, np.arange(LENGTH), np.arange(LENGTH)), (q_seg, kv_seg, q_index, kv_index)]
+    cases.append((kv_seg, q_seg, kv_index, q_index))  # queries before keys: general
+    index = layout_index(4 * LENGTH, 4, "dual_chunk").reshape(4, LENGTH)
+    full = packed_segments(2, 4 * LENGTH, seed=4)
+    cases.append((jnp.asarray(full[:, index[1]]), jnp.asarray(full[:, index[0]]), index[1], index[0]))  # partly
+    kinds = [cudnn.runtime_kind(jnp.asarray(c[2]), jnp.asarray(c[3]), c[0], c[1]) for c in cases]
+    assert [int(kind) for kind in kinds] == [cudnn.DIAGONAL, cudnn.ALL_VISIBLE, cudnn.GENERAL, cudnn.GENERAL]
+    for q_seg, kv_seg, q_index, kv_index in cases:
+        got = jax.jit(functools.partial(run, *STANDIN_KERNEL, q, k, v, q_seg, kv_seg, causal=True))
+        assert_same(got(q_index, kv_index), run(blockwise.forward, blockwise.backward, q, k, v, q_seg, kv_seg,
+                                                q_index, kv_index, True))  # fmt: skip
+
+
+def test_backward_adds_into_running_sums():
+    """backward(accumulate=sums) is sums + backward, in the sums' dtypes."""
+    q, k, v = inputs(*HEADS["mla"])
+    seg = jnp.asarray(packed_segments(2, LENGTH))
+    index = np.arange(LENGTH)
+    args = (q, k, v, seg, seg, index, index)
+    static = dict(causal=True, **STATIC)
+    out, lse = STANDIN_KERNEL[0](*args, **static)
+    sums = [jnp.full(x.shape, 0.5, jnp.float32) for x in (q, k, v)]
+    got = STANDIN_KERNEL[1](*args, out, lse, out, None, **static, accumulate=sums)
+    fresh = STANDIN_KERNEL[1](*args, out, lse, out, None, **static)
+    for total, g in zip(got, fresh, strict=True):
+        np.testing.assert_allclose(total, g + 0.5, rtol=1e-6)
+
+
+def primitive_calls(jaxpr) -> list:
+    """The cuDNN primitive equations of `jaxpr` and of every jaxpr nested in it (switch branches), in order."""
+    calls = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name.startswith("dot_product_attention"):
+            calls.append(eqn)
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, tuple | list) else [value]:
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    calls += primitive_calls(inner)
+    return calls
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "mla"])
+def test_real_primitives_trace(heads):
+    """The real forward / backward trace in bfloat16 to the cuDNN wrapper primitives, with the packed metadata
+    ([batch, m] seqlens, [batch, m + 1] offsets), K / V repeated to the query heads and one padded head width."""
+    h, hkv, dqk, dv = HEADS[heads]
+    q, k, v = (x.astype(jnp.bfloat16) for x in inputs(h, hkv, dqk, dv))
+    seg = jnp.asarray(packed_segments(2, LENGTH))
+    index = np.arange(LENGTH)
+    static = dict(causal=True, **STATIC, max_segments=8)
+
+    def loss(q, k, v):
+        """(dq, dk, dv) of forward then backward, lse's cotangent = lse."""
+        out, lse = cudnn.forward(q, k, v, seg, seg, index, index, **static)
+        return cudnn.backward(q, k, v, seg, seg, index, index, out, lse, out, lse, **static)
+
+    calls = primitive_calls(jax.make_jaxpr(loss)(q, k, v).jaxpr)  # in the run-time switch's served branches
+    names = ["dot_product_attention_fwd_wrapper"] * 2 + ["dot_product_attention_bwd_wrapper"] * 2
+    assert [e.primitive.name for e in calls] == names
+    assert [e.params["mask_type"] for e in calls] == [cudnn.MASKS[cudnn.DIAGONAL], cudnn.MASKS[cudnn.ALL_VISIBLE]] * 2
+    width = max(dqk, dv + 2)  # the backward carries dlse in two extra value features
+    q_op, k_op, v_op, _, q_len, _, q_off = calls[2].invars[:7]
+    assert q_op.aval.shape == k_op.aval.shape == v_op.aval.shape == (2, LENGTH, h, -(-width // 8) * 8)
+    assert q_len.aval.shape == (2, 8) and q_off.aval.shape == (2, 9)
+    assert calls[0].outvars[1].aval.shape == (2 * 8, h, LENGTH)
+    shapes = jax.eval_shape(loss, q, k, v)
+    assert [s.shape for s in shapes] == [q.shape, k.shape, v.shape]
+
+
+def test_which_calls_and_backends_it_serves():
+    index = np.arange(8)
+    assert cudnn.call_kind(index, index, True) == cudnn.DIAGONAL
+    assert cudnn.call_kind(index + 8, index, True) == cudnn.ALL_VISIBLE
+    assert cudnn.call_kind(index, index + 8, False) == cudnn.ALL_VISIBLE
+    with pytest.raises(cudnn.Unservable, match=r"causal diagonal .* or keys that all precede the queries"):
+        cudnn.call_kind(index, index + 4, True)
+    with pytest.raises(ValueError, match=r"attention kernel 'cudnn' runs on GPU \(cuDNN\), not cpu"):
+        kernels.select("cudnn", backend="cpu")
+    # a static general call through the selected kernel runs the blockwise kernel (no cuDNN call is traced)
+    impl = kernels.select("cudnn", backend="gpu")
+    q, k, v = (x.astype(jnp.bfloat16) for x in inputs(*HEADS["gqa"]))
+    seg = jnp.ones((2, LENGTH), jnp.int32)
+    args = (q, k, v, seg, seg, np.arange(LENGTH), np.arange(LENGTH) + 8)
+    got, want = impl.forward(*args, causal=True, **STATIC), blockwise.forward(*args, causal=True, **STATIC)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="bfloat16 or float16 inputs, not float32"):
+        cudnn.forward(*inputs(*HEADS["mha"]), seg, seg, args[5], args[5], causal=True, **STATIC)
