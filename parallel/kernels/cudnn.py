@@ -6,8 +6,11 @@ whose VJP drops the softmax statistics' cotangent. What the primitives give and 
 - Masks: cuDNN knows segments (from seqlens / offsets) and top-left causality within a segment, not global token
   indices. So a call is served when it is the causal DIAGONAL (queries and keys are one token set, in increasing
   global order: PADDING_CAUSAL) or ALL_VISIBLE within segments (non-causal, or every key precedes every query:
-  PADDING). Anything else is `Unservable` when the indices are static, and runs the blockwise kernel (a
-  `lax.switch` branch) when they are traced or the row has more segments than `max_segments`.
+  PADDING). A call that is neither but splits into query halves x key halves that are each all-visible or
+  invisible (a dual_chunk ring step: one chunk against a whole piece) is served as HALVES: the visible quarters
+  merged by log-sum-exp, their backward run with the call's final out / lse. Anything else is `Unservable` when
+  the indices are static, and runs the blockwise kernel (a `lax.switch` branch) when they are traced or the row
+  has more segments than `max_segments`.
 - Metadata: a row's segment id s occupies slot s - (smallest query id of the row); each segment must be one
   contiguous run of the row (documents are; so are a load-balanced piece's, which keeps global order). A row's
   query ids may span at most `max_segments` ids: a call with more runs the blockwise kernel (a run-time branch),
@@ -42,9 +45,10 @@ from jax import lax
 from jax._src.cudnn import fused_attention_stablehlo as fa
 
 from parallel import blockwise
+from parallel.lse_merge import merge
 from parallel.segments import INT32_MAX, seqlens_offsets
 
-DIAGONAL, ALL_VISIBLE, GENERAL = 0, 1, 2
+DIAGONAL, ALL_VISIBLE, GENERAL, HALVES = 0, 1, 2, 3
 MASKS = {DIAGONAL: fa.MaskType.PADDING_CAUSAL, ALL_VISIBLE: fa.MaskType.PADDING}
 MAX_SEGMENTS = 64
 
@@ -92,10 +96,26 @@ def call_kind(q_index, kv_index, causal: bool):
         return DIAGONAL
     if kv.max() <= q.min():
         return ALL_VISIBLE
+    if np.all(quarters(q, kv)[0]):
+        return HALVES
     raise Unservable(
-        "attention kernel 'cudnn' serves the causal diagonal (same increasing indices) or keys that all precede the "
-        "queries; these global indices are neither"
+        "attention kernel 'cudnn' serves the causal diagonal (same increasing indices), keys that all precede the "
+        "queries, or query halves x key halves that are each one or the other; these global indices are none"
     )
+
+
+def _halves(n: int) -> tuple[slice, slice]:
+    """The first and the second half of n tokens."""
+    return slice(0, n // 2), slice(n // 2, n)
+
+
+def quarters(q_index, kv_index):
+    """[tq], [tk] global indices (numpy or traced) -> (served [2, 2] bool: query half i x key half j is all-visible
+    or invisible, causally; visible [2, 2] bool: all-visible)."""
+    rows = [[(q_index[qs], kv_index[ks]) for ks in _halves(len(kv_index))] for qs in _halves(len(q_index))]
+    visible = jnp.asarray([[k.max() <= q.min() for q, k in row] for row in rows])
+    invisible = jnp.asarray([[k.min() > q.max() for q, k in row] for row in rows])
+    return visible | invisible, visible
 
 
 def runtime_kind(q_index, kv_index, q_seg, kv_seg):
@@ -195,8 +215,20 @@ def _operands(q, k, v, width: int):
 def _branch(kind, q_index, kv_index, q_seg, kv_seg, max_segments: int):
     """int32 scalar: the call's kind (static `kind`, or decided from the traced indices when None), GENERAL (the
     blockwise kernel) when a row has more segments than max_segments."""
-    kind = runtime_kind(q_index, kv_index, q_seg, kv_seg) if kind is None else jnp.int32(kind)
+    if kind is None:
+        kind = runtime_kind(q_index, kv_index, q_seg, kv_seg)
+        kind = jnp.where((kind == GENERAL) & jnp.all(quarters(q_index, kv_index)[0]), HALVES, kind)
     return jnp.where(too_many_segments(q_seg, max_segments), GENERAL, kind)
+
+
+def _nothing_visible(q, k, v, *rest):
+    """A quarter with no visible key: (out zeros [b, tq, h, dv] in q's dtype, lse -inf [b, tq, h])."""
+    return jnp.zeros((*q.shape[:3], v.shape[-1]), q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+
+
+def _no_gradients(q, k, v, *rest):
+    """A quarter with no visible key: float32 zeros like q, k, v."""
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
 
 
 def _params(kind: int, scale: float) -> dict:
@@ -286,7 +318,22 @@ def forward(
         static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
         return blockwise.forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static, out_dtype=q.dtype)
 
-    branches = (functools.partial(served, DIAGONAL), functools.partial(served, ALL_VISIBLE), general)
+    def halves(q, k, v, q_seg, kv_seg):
+        """The all-visible quarters, merged: (out [b, tq, h, dv], lse [b, tq, h])."""
+        visible = quarters(q_index, kv_index)[1]
+        outs, lses = [], []
+        for i, qs in enumerate(_halves(q.shape[1])):
+            out = jnp.zeros((*q[:, qs].shape[:3], v.shape[-1]), jnp.float32)
+            lse = jnp.full(out.shape[:3], -jnp.inf, jnp.float32)
+            for j, ks in enumerate(_halves(k.shape[1])):
+                quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks])
+                part = lax.cond(visible[i, j], functools.partial(served, ALL_VISIBLE), _nothing_visible, *quarter)
+                out, lse = merge(out, lse, part[0].astype(jnp.float32), part[1])
+            outs.append(out.astype(q.dtype))
+            lses.append(lse)
+        return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
+
+    branches = (functools.partial(served, DIAGONAL), functools.partial(served, ALL_VISIBLE), general, halves)
     out, lse = lax.switch(branch, branches, q, k, v, q_seg, kv_seg)
     return out.astype(out_dtype or q.dtype), lse
 
@@ -312,7 +359,19 @@ def backward(
         """The served backward of `kind` as a switch branch (operands as `general`'s)."""
         return lambda *a: served(kind, *a)
 
-    branches = (kind_of(DIAGONAL), kind_of(ALL_VISIBLE), general)
+    def halves(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
+        """The all-visible quarters' float32 (dq, dk, dv), each from the call's final out / lse."""
+        visible = quarters(q_index, kv_index)[1]
+        grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
+        for i, qs in enumerate(_halves(q.shape[1])):
+            for j, ks in enumerate(_halves(k.shape[1])):
+                quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks], out[:, qs], lse[:, qs])
+                quarter += (dout[:, qs], None if dlse is None else dlse[:, qs])
+                dq, dk, dv_ = lax.cond(visible[i, j], kind_of(ALL_VISIBLE), _no_gradients, *quarter)
+                grads = [grads[0].at[:, qs].add(dq), grads[1].at[:, ks].add(dk), grads[2].at[:, ks].add(dv_)]
+        return tuple(grads)
+
+    branches = (kind_of(DIAGONAL), kind_of(ALL_VISIBLE), general, halves)
     grads = lax.switch(branch, branches, q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
     if accumulate is not None:
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))

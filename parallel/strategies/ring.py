@@ -20,15 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel import kernels
+from parallel.lse_merge import merge
 from parallel.strategies.common import axis_shards, global_index, run_sharded
-
-
-def merge(out_a, lse_a, out_b, lse_b):
-    """Combines two partial attentions over disjoint keys: out [..., dv] float32, lse [...]; safe when both
-    lse are -inf (no visible key on either side: stays zeros / -inf)."""
-    lse = jnp.logaddexp(lse_a, lse_b)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    return out_a * jnp.exp(lse_a - safe)[..., None] + out_b * jnp.exp(lse_b - safe)[..., None], lse
 
 
 def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, scale: float, plan):

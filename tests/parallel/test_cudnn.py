@@ -157,8 +157,9 @@ def test_standin_kernel_equals_blockwise(heads, packed, kind):
 
 
 def test_traced_indices_choose_the_kind_at_run_time():
-    """Under jit the indices are traced: the diagonal and preceding calls run the stand-in, general ones (queries
-    before keys; a dual_chunk ring step, partly visible) the blockwise kernel, all equal to blockwise."""
+    """Under jit the indices are traced: the diagonal and preceding calls run the stand-in, the others (queries
+    before keys; a dual_chunk ring step, partly visible) are general for one call (queries before keys then runs
+    the blockwise kernel, the ring step its halves), all equal to blockwise."""
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH))
     q_seg, kv_seg, q_index, kv_index = ring_piece_case(True)
@@ -173,6 +174,28 @@ def test_traced_indices_choose_the_kind_at_run_time():
         got = jax.jit(functools.partial(run, *STANDIN_KERNEL, q, k, v, q_seg, kv_seg, causal=True))
         assert_same(got(q_index, kv_index), run(blockwise.forward, blockwise.backward, q, k, v, q_seg, kv_seg,
                                                 q_index, kv_index, True))  # fmt: skip
+
+
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2), (3, 0)])
+def test_dual_chunk_ring_steps_run_as_halves(ranks):
+    """A dual_chunk ring step off the diagonal (rank q_rank's queries against rank kv_rank's piece of 4): neither
+    kind as one call, but its query halves x key halves are each all-visible or invisible, so it runs the served
+    quarters (NaN-returning primitives show they are taken), static and traced, equal to the blockwise kernel."""
+    index = layout_index(4 * LENGTH, 4, "dual_chunk").reshape(4, LENGTH)
+    q_index, kv_index = index[ranks[0]], index[ranks[1]]
+    full = packed_segments(2, 4 * LENGTH, seed=4)
+    q_seg, kv_seg = jnp.asarray(full[:, q_index]), jnp.asarray(full[:, kv_index])
+    assert cudnn.call_kind(q_index, kv_index, True) == cudnn.HALVES
+    q, k, v = inputs(*HEADS["gqa"])
+    args = (q, k, v, q_seg, kv_seg)
+    want = run(blockwise.forward, blockwise.backward, *args, q_index, kv_index, True)
+    assert_same(run(*STANDIN_KERNEL, *args, q_index, kv_index, True), want)
+    traced = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, *args, qi, ki, True))
+    assert_same(traced(q_index, kv_index), want)
+    poisoned = [functools.partial(f, primitives=POISONED, max_segments=24) for f in (cudnn.forward, cudnn.backward)]
+    one_document = jnp.ones((2, LENGTH), jnp.int32)  # packed pieces may share no document (all masked out)
+    got = run(*poisoned, q, k, v, one_document, one_document, q_index, kv_index, True)
+    assert np.isnan(np.asarray(got[2])).any()
 
 
 def test_backward_adds_into_running_sums():
@@ -219,12 +242,14 @@ def test_real_primitives_trace(heads):
         out, lse = cudnn.forward(q, k, v, seg, seg, index, index, **static)
         return cudnn.backward(q, k, v, seg, seg, index, index, out, lse, out, lse, **static)
 
-    calls = primitive_calls(jax.make_jaxpr(loss)(q, k, v).jaxpr)  # in the run-time switch's served branches
-    names = ["dot_product_attention_fwd_wrapper"] * 2 + ["dot_product_attention_bwd_wrapper"] * 2
+    # in the run-time switch's served branches: the diagonal, all-visible, and the four quarters of halves
+    calls = primitive_calls(jax.make_jaxpr(loss)(q, k, v).jaxpr)
+    names = ["dot_product_attention_fwd_wrapper"] * 6 + ["dot_product_attention_bwd_wrapper"] * 6
     assert [e.primitive.name for e in calls] == names
-    assert [e.params["mask_type"] for e in calls] == [cudnn.MASKS[cudnn.DIAGONAL], cudnn.MASKS[cudnn.ALL_VISIBLE]] * 2
+    masks = [cudnn.MASKS[cudnn.DIAGONAL]] + [cudnn.MASKS[cudnn.ALL_VISIBLE]] * 5
+    assert [e.params["mask_type"] for e in calls] == masks * 2
     width = max(dqk, dv + 2)  # the backward carries dlse in two extra value features
-    q_op, k_op, v_op, _, q_len, _, q_off = calls[2].invars[:7]
+    q_op, k_op, v_op, _, q_len, _, q_off = calls[6].invars[:7]
     assert q_op.aval.shape == k_op.aval.shape == v_op.aval.shape == (2, LENGTH, h, -(-width // 8) * 8)
     assert q_len.aval.shape == (2, 8) and q_off.aval.shape == (2, 9)
     assert calls[0].outvars[1].aval.shape == (2 * 8, h, LENGTH)
@@ -237,7 +262,7 @@ def test_which_calls_and_backends_it_serves():
     assert cudnn.call_kind(index, index, True) == cudnn.DIAGONAL
     assert cudnn.call_kind(index + 8, index, True) == cudnn.ALL_VISIBLE
     assert cudnn.call_kind(index, index + 8, False) == cudnn.ALL_VISIBLE
-    with pytest.raises(cudnn.Unservable, match=r"causal diagonal .* or keys that all precede the queries"):
+    with pytest.raises(cudnn.Unservable, match=r"causal diagonal .*, keys that all precede the queries, or query"):
         cudnn.call_kind(index, index + 4, True)
     with pytest.raises(ValueError, match=r"attention kernel 'cudnn' runs on GPU \(cuDNN\), not cpu"):
         kernels.select("cudnn", backend="cpu")
