@@ -111,7 +111,9 @@ def _halves(n: int) -> tuple[slice, slice]:
 
 def quarters(q_index, kv_index):
     """[tq], [tk] global indices (numpy or traced) -> (served [2, 2] bool: query half i x key half j is all-visible
-    or invisible, causally; visible [2, 2] bool: all-visible)."""
+    or invisible, causally; visible [2, 2] bool: all-visible). A single token has no halves: none served."""
+    if min(len(q_index), len(kv_index)) < 2:
+        return jnp.zeros((2, 2), bool), jnp.zeros((2, 2), bool)
     rows = [[(q_index[qs], kv_index[ks]) for ks in _halves(len(kv_index))] for qs in _halves(len(q_index))]
     visible = jnp.asarray([[k.max() <= q.min() for q, k in row] for row in rows])
     invisible = jnp.asarray([[k.min() > q.max() for q, k in row] for row in rows])
@@ -334,6 +336,7 @@ def forward(
         return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
     branches = (functools.partial(served, DIAGONAL), functools.partial(served, ALL_VISIBLE), general, halves)
+    branches = branches if min(q.shape[1], k.shape[1]) >= 2 else branches[: GENERAL + 1]  # a token has no halves
     out, lse = lax.switch(branch, branches, q, k, v, q_seg, kv_seg)
     return out.astype(out_dtype or q.dtype), lse
 
@@ -372,6 +375,7 @@ def backward(
         return tuple(grads)
 
     branches = (kind_of(DIAGONAL), kind_of(ALL_VISIBLE), general, halves)
+    branches = branches if min(q.shape[1], k.shape[1]) >= 2 else branches[: GENERAL + 1]  # a token has no halves
     grads = lax.switch(branch, branches, q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
     if accumulate is not None:
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))

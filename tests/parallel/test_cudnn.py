@@ -264,6 +264,14 @@ def test_which_calls_and_backends_it_serves():
     assert cudnn.call_kind(index, index + 8, False) == cudnn.ALL_VISIBLE
     with pytest.raises(cudnn.Unservable, match=r"causal diagonal .*, keys that all precede the queries, or query"):
         cudnn.call_kind(index, index + 4, True)
+    with pytest.raises(cudnn.Unservable):  # one query has no halves
+        cudnn.call_kind(index[3:4], index, True)
+    # traced, one query against keys around it runs the blockwise kernel (no halves branch to trace)
+    q, k, v = inputs(*HEADS["gqa"], tq=1)
+    one, seg = jnp.ones((2, 1), jnp.int32), jnp.ones((2, LENGTH), jnp.int32)
+    args = (q, k, v, one, seg)
+    got = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, *args, qi, ki, True))(np.array([20]), np.arange(LENGTH))
+    assert_same(got, run(blockwise.forward, blockwise.backward, *args, np.array([20]), np.arange(LENGTH), True))
     with pytest.raises(ValueError, match=r"attention kernel 'cudnn' runs on GPU \(cuDNN\), not cpu"):
         kernels.select("cudnn", backend="cpu")
     # a static general call through the selected kernel runs the blockwise kernel (no cuDNN call is traced)
