@@ -76,12 +76,10 @@ def _token_rows(x, size: int):
     return x.reshape(kv_heads, size, -1, d).transpose(1, 0, 2, 3).reshape(size, -1, d)
 
 
-def _add_block(x, blk, b, start: int):
-    """x [batch, t, kv_heads, d] with the float32 block blk [kv_heads, size, d] added at batch row b, rows from
-    `start`, in x's dtype."""
-    at = (b, start, 0, 0)
-    old = lax.dynamic_slice(x, at, (1, blk.shape[1], *x.shape[2:]))
-    return lax.dynamic_update_slice(x, (old + blk.transpose(1, 0, 2)[None]).astype(x.dtype), at)
+def _add_at(x, blk, at):
+    """x with blk (x's rank, a slice's shape) added in place at start index `at`, in x's dtype."""
+    old = lax.dynamic_slice(x, at, blk.shape)
+    return lax.dynamic_update_slice(x, (old + blk).astype(x.dtype), at)
 
 
 def _pair_kinds(q_seg, kv_seg, q_index, kv_index, bq: int, bk: int, causal: bool):
@@ -238,13 +236,12 @@ def backward(
             dq, dk_blk, dv_blk = carry
             branches = (skip, functools.partial(update, i, True), functools.partial(update, i, False))
             dq_blk, dk_blk, dv_blk = lax.switch(kinds_t[b, j, i], branches, dk_blk, dv_blk)
-            start = (b, i * bq, 0, 0)
-            dq_old = lax.dynamic_slice(dq, start, dq_blk.shape)
-            return lax.dynamic_update_slice(dq, (dq_old + dq_blk).astype(dq.dtype), start), dk_blk, dv_blk
+            return _add_at(dq, dq_blk, (b, i * bq, 0, 0)), dk_blk, dv_blk
 
         init = (dq, jnp.zeros((kv_heads, bk, dqk), jnp.float32), jnp.zeros((kv_heads, bk, dv), jnp.float32))
         dq, dk_blk, dv_blk = lax.fori_loop(first[b, j], last[b, j], step, init)
-        return dq, _add_block(dk, dk_blk, b, j * bk), _add_block(dv_, dv_blk, b, j * bk)
+        at = (b, j * bk, 0, 0)  # [kv_heads, bk, d] blocks go back to token-major rows
+        return dq, _add_at(dk, dk_blk.transpose(1, 0, 2)[None], at), _add_at(dv_, dv_blk.transpose(1, 0, 2)[None], at)
 
     if accumulate is None:  # float32 sums from zero, cast at the end
         shapes = ((batch, tq, heads, dqk), (batch, tk, kv_heads, dqk), (batch, tk, kv_heads, dv))
