@@ -1,6 +1,7 @@
-"""Attention kernels on one GPU: the Pallas kernel (parallel/kernels/pallas.py) and the blockwise kernel against
-cuDNN flash attention (`jax.nn.dot_product_attention(implementation="cudnn")`) on the same unpacked rows, and the
-Pallas kernel on packed rows (documents of `--doc-len` tokens), causal forward+backward (value and gradient of the
+"""Attention kernels on one GPU: the Pallas kernel (parallel/kernels/pallas.py), the packed-row cuDNN kernel
+(parallel/kernels/cudnn.py) and the blockwise kernel against cuDNN flash attention
+(`jax.nn.dot_product_attention(implementation="cudnn")`) on the same unpacked rows, and the Pallas and cuDNN kernels
+on packed rows (documents of `--doc-len` tokens), causal forward+backward (value and gradient of the
 output's sum w.r.t. q, k, v), batch 1, `--heads` x `--head-dim`, bfloat16, T = `--lengths` (8K and 128K).
 
 TFLOP/s counts causal FLOPs once: the forward does 2 matmuls of 2·T·T·H·D/2 FLOPs, the backward 2.5x that; a packed
@@ -48,6 +49,12 @@ def implementations(args, packed_ids) -> dict:
         runs["cudnn"] = (
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
             None,
+        )
+        ours = functools.partial(kernels.attention, kernel="cudnn", causal=True)
+        runs["cudnn kernel"] = (lambda q, k, v: ours(q, k, v)[0], None)
+        runs["cudnn kernel, packed"] = (
+            lambda q, k, v: ours(q, k, v, q_segment_ids=packed_ids, kv_segment_ids=packed_ids)[0],
+            args.doc_len,
         )
     return runs
 

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from parallel import blockwise
 from parallel.kernels import cudnn, pallas
@@ -105,37 +106,41 @@ def attention(
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     q_segment_ids = jnp.ones((batch, tq), jnp.int32) if q_segment_ids is None else q_segment_ids
     kv_segment_ids = jnp.ones((batch, tk), jnp.int32) if kv_segment_ids is None else kv_segment_ids
-    q_index = jnp.arange(tq, dtype=jnp.int32) if q_index is None else q_index
-    kv_index = jnp.arange(tk, dtype=jnp.int32) if kv_index is None else kv_index
+    indices = (np.arange(tq) if q_index is None else q_index, np.arange(tk) if kv_index is None else kv_index)
+    known = tuple(_known(index) for index in indices)
     static = dict(causal=causal, scale=float(dqk**-0.5 if scale is None else scale), block_q=block_q, block_kv=block_kv)
-    return _attention(
-        select(kernel, interpret=interpret),
-        static,
-        q,
-        k,
-        v,
-        q_segment_ids.astype(jnp.int32),
-        kv_segment_ids.astype(jnp.int32),
-        q_index.astype(jnp.int32),
-        kv_index.astype(jnp.int32),
-    )
+    segment_ids = (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
+    impl = select(kernel, interpret=interpret)
+    if all(index is not None for index in known):
+        return _attention(impl, static, known, q, k, v, *segment_ids)
+    return _attention(impl, static, None, q, k, v, *segment_ids, *(jnp.asarray(i, jnp.int32) for i in indices))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attention(impl: Kernel, static: dict, q, k, v, q_seg, kv_seg, q_index, kv_index):
-    return impl.forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static)
+def _known(index):
+    """[t] indices -> the numpy array when known at trace time (numpy or concrete), else None."""
+    try:
+        return np.asarray(index, np.int32)
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
-def _attention_fwd(impl, static, q, k, v, q_seg, kv_seg, q_index, kv_index):
-    out, lse = impl.forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static)
-    return (out, lse), (q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _attention(impl: Kernel, static: dict, known, q, k, v, q_seg, kv_seg, *indices):
+    """known: (q_index, kv_index) numpy when fixed at trace time (so the kernel sees them static; `indices` is then
+    empty), else None and `indices` holds them traced."""
+    return impl.forward(q, k, v, q_seg, kv_seg, *(known or indices), **static)
 
 
-def _attention_bwd(impl, static, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse = residuals
+def _attention_fwd(impl, static, known, q, k, v, q_seg, kv_seg, *indices):
+    out, lse = impl.forward(q, k, v, q_seg, kv_seg, *(known or indices), **static)
+    return (out, lse), (q, k, v, q_seg, kv_seg, indices, out, lse)
+
+
+def _attention_bwd(impl, static, known, residuals, cotangents):
+    q, k, v, q_seg, kv_seg, indices, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = impl.backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, **static)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv = impl.backward(q, k, v, q_seg, kv_seg, *(known or indices), out, lse, dout, dlse, **static)
+    return dq, dk, dv, None, None, *(None for _ in indices)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -4,13 +4,14 @@ It calls JAX's cuDNN primitives directly (jax._src.cudnn.fused_attention_stableh
 whose VJP drops the softmax statistics' cotangent. What the primitives give and this module adapts:
 
 - Masks: cuDNN knows segments (from seqlens / offsets) and top-left causality within a segment, not global token
-  indices. So a call is served when it is the causal DIAGONAL (queries and keys are one token set, in increasing
-  global order: PADDING_CAUSAL) or ALL_VISIBLE within segments (non-causal, or every key precedes every query:
-  PADDING). A call that is neither but splits into query halves x key halves that are each all-visible or
-  invisible (a dual_chunk ring step: one chunk against a whole piece) is served as HALVES: the visible quarters
-  merged by log-sum-exp, their backward run with the call's final out / lse. Anything else is `Unservable` when
-  the indices are static, and runs the blockwise kernel (a `lax.switch` branch) when they are traced or the row
-  has more segments than `max_segments`.
+  indices. So a call is served only when queries and keys are each in increasing global order (then every
+  document is one run of the row), and is the causal DIAGONAL (queries and keys one token set: PADDING_CAUSAL) or
+  ALL_VISIBLE within segments (non-causal, or every key precedes every query: PADDING). A call that is neither but
+  splits into query halves x key halves that are each all-visible or invisible (a dual_chunk ring step: one chunk
+  against a whole piece) is served as HALVES: the visible quarters merged by log-sum-exp, their backward run with
+  the call's final out / lse. Anything else is `Unservable` when the indices are static, and runs the blockwise
+  kernel (a `lax.switch` branch) when they are traced or the row has more segments than `max_segments`. Static
+  indices compile only their kind and that fallback; traced ones compile every kind the call could be.
 - Metadata: a row's segment id s occupies slot s - (smallest query id of the row); each segment must be one
   contiguous run of the row (documents are; so are a load-balanced piece's, which keeps global order). A row's
   query ids may span at most `max_segments` ids: a call with more runs the blockwise kernel (a run-time branch),
@@ -84,15 +85,21 @@ class Metadata(NamedTuple):
 
 
 def call_kind(q_index, kv_index, causal: bool):
-    """[tq], [tk] global indices -> DIAGONAL or ALL_VISIBLE when static (numpy or concrete), None when traced (the
-    kind is then decided at run time); raises Unservable for any other static pattern."""
-    if not causal:
-        return ALL_VISIBLE
+    """[tq], [tk] global indices -> DIAGONAL, ALL_VISIBLE or HALVES when static (numpy or concrete), None when traced
+    (the kind is then decided at run time); raises Unservable for any other static pattern. Every served call has
+    increasing indices on both sides, so each document is one run of the row (what packed metadata describes)."""
     try:
         q, kv = np.asarray(q_index), np.asarray(kv_index)
     except jax.errors.TracerArrayConversionError:
         return None
-    if q.shape == kv.shape and (q == kv).all() and (np.diff(q) > 0).all():
+    if not (_increasing(q) and _increasing(kv)):
+        raise Unservable(
+            "attention kernel 'cudnn' needs query and key tokens in increasing global order (each document one run "
+            "of the row); these global indices are not"
+        )
+    if not causal:
+        return ALL_VISIBLE
+    if q.shape == kv.shape and (q == kv).all():
         return DIAGONAL
     if kv.max() <= q.min():
         return ALL_VISIBLE
@@ -104,29 +111,45 @@ def call_kind(q_index, kv_index, causal: bool):
     )
 
 
+def _increasing(index) -> bool:
+    """[t] indices (numpy or traced) -> (traced) bool: strictly increasing."""
+    return jnp.all(jnp.diff(index) > 0) if isinstance(index, jax.Array) else bool(np.all(np.diff(index) > 0))
+
+
 def _halves(n: int) -> tuple[slice, slice]:
     """The first and the second half of n tokens."""
     return slice(0, n // 2), slice(n // 2, n)
 
 
 def quarters(q_index, kv_index):
-    """[tq], [tk] global indices (numpy or traced) -> (served [2, 2] bool: query half i x key half j is all-visible
-    or invisible, causally; visible [2, 2] bool: all-visible). A single token has no halves: none served."""
+    """[tq], [tk] global indices (numpy, giving numpy, or traced) -> (served [2, 2] bool: query half i x key half j is
+    all-visible or invisible, causally; visible [2, 2] bool: all-visible). A single token has no halves: none
+    served."""
+    xp = np if isinstance(q_index, np.ndarray) and isinstance(kv_index, np.ndarray) else jnp
     if min(len(q_index), len(kv_index)) < 2:
-        return jnp.zeros((2, 2), bool), jnp.zeros((2, 2), bool)
+        return xp.zeros((2, 2), bool), xp.zeros((2, 2), bool)
     rows = [[(q_index[qs], kv_index[ks]) for ks in _halves(len(kv_index))] for qs in _halves(len(q_index))]
-    visible = jnp.asarray([[k.max() <= q.min() for q, k in row] for row in rows])
-    invisible = jnp.asarray([[k.min() > q.max() for q, k in row] for row in rows])
+    visible = xp.asarray([[k.max() <= q.min() for q, k in row] for row in rows])
+    invisible = xp.asarray([[k.min() > q.max() for q, k in row] for row in rows])
     return visible | invisible, visible
 
 
-def runtime_kind(q_index, kv_index, q_seg, kv_seg):
-    """Traced call_kind for a causal call: [tq], [tk] indices, [batch, t] ids -> int32 DIAGONAL, ALL_VISIBLE or
-    GENERAL."""
-    all_visible = jnp.max(kv_index) <= jnp.min(q_index)
-    if q_index.shape != kv_index.shape or q_seg.shape != kv_seg.shape:
+def _cond(visible, served, nothing, *operands):
+    """served(*operands) if `visible` else nothing(*operands): decided at trace time for a numpy bool (the other is
+    never traced), at run time for a traced one."""
+    if isinstance(visible, np.bool_):
+        return (served if visible else nothing)(*operands)
+    return lax.cond(visible, served, nothing, *operands)
+
+
+def runtime_kind(q_index, kv_index, q_seg, kv_seg, causal: bool = True):
+    """Traced call_kind: [tq], [tk] indices, [batch, t] ids -> int32 DIAGONAL, ALL_VISIBLE or GENERAL (HALVES is
+    decided by `_switch`)."""
+    increasing = _increasing(q_index) & _increasing(kv_index)
+    all_visible = increasing & ((jnp.max(kv_index) <= jnp.min(q_index)) | (not causal))
+    if q_index.shape != kv_index.shape or q_seg.shape != kv_seg.shape or not causal:
         return jnp.where(all_visible, ALL_VISIBLE, GENERAL)
-    diagonal = jnp.all(q_index == kv_index) & jnp.all(jnp.diff(q_index) > 0) & jnp.all(q_seg == kv_seg)
+    diagonal = increasing & jnp.all(q_index == kv_index) & jnp.all(q_seg == kv_seg)
     return jnp.where(diagonal, DIAGONAL, jnp.where(all_visible, ALL_VISIBLE, GENERAL))
 
 
@@ -214,13 +237,23 @@ def _operands(q, k, v, width: int):
     )
 
 
-def _branch(kind, q_index, kv_index, q_seg, kv_seg, max_segments: int):
-    """int32 scalar: the call's kind (static `kind`, or decided from the traced indices when None), GENERAL (the
-    blockwise kernel) when a row has more segments than max_segments."""
-    if kind is None:
-        kind = runtime_kind(q_index, kv_index, q_seg, kv_seg)
-        kind = jnp.where((kind == GENERAL) & jnp.all(quarters(q_index, kv_index)[0]), HALVES, kind)
-    return jnp.where(too_many_segments(q_seg, max_segments), GENERAL, kind)
+def _switch(kind, q_index, kv_index, q_seg, kv_seg, causal: bool, max_segments: int, by_kind: dict, *operands):
+    """Runs by_kind[k](*operands) for the call's kind k: the static `kind` (then only it and GENERAL are compiled),
+    or the kind decided from the traced indices when None (a non-causal call is ALL_VISIBLE or GENERAL; a call with
+    a single query or key token has no halves); GENERAL (the blockwise kernel) when a row has more segments than
+    max_segments."""
+    if kind is None and not causal:
+        kind, kinds = runtime_kind(q_index, kv_index, q_seg, kv_seg, causal), (ALL_VISIBLE, GENERAL)
+    elif kind is None:
+        kind = runtime_kind(q_index, kv_index, q_seg, kv_seg, causal)
+        halves = _increasing(q_index) & _increasing(kv_index) & jnp.all(quarters(q_index, kv_index)[0])
+        kind = jnp.where((kind == GENERAL) & halves, HALVES, kind)
+        kinds = (DIAGONAL, ALL_VISIBLE, GENERAL, HALVES)[: 4 if min(len(q_index), len(kv_index)) >= 2 else 3]
+    else:
+        kinds = (kind, GENERAL)
+    kind = jnp.where(too_many_segments(q_seg, max_segments), GENERAL, kind)
+    position = jnp.argmax(jnp.asarray(kinds) == kind)
+    return lax.switch(position, [by_kind[k] for k in kinds], *operands)
 
 
 def _nothing_visible(q, k, v, *rest):
@@ -311,7 +344,7 @@ def forward(
     [b, tq, h] float32). Raises Unservable for static indices cuDNN cannot mask (see call_kind); traced ones that
     turn out general, and rows with more than max_segments segments, run the blockwise kernel."""
     max_segments = max(2, max_segments)
-    branch = _branch(call_kind(q_index, kv_index, causal), q_index, kv_index, q_seg, kv_seg, max_segments)
+    kind = call_kind(q_index, kv_index, causal)
     _check(q, v.shape[-1], primitives)
     served = functools.partial(_served_forward, scale=scale, max_segments=max_segments, primitives=primitives)
 
@@ -329,15 +362,15 @@ def forward(
             lse = jnp.full(out.shape[:3], -jnp.inf, jnp.float32)
             for j, ks in enumerate(_halves(k.shape[1])):
                 quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks])
-                part = lax.cond(visible[i, j], functools.partial(served, ALL_VISIBLE), _nothing_visible, *quarter)
+                part = _cond(visible[i, j], functools.partial(served, ALL_VISIBLE), _nothing_visible, *quarter)
                 out, lse = merge(out, lse, part[0].astype(jnp.float32), part[1])
             outs.append(out.astype(q.dtype))
             lses.append(lse)
         return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
-    branches = (functools.partial(served, DIAGONAL), functools.partial(served, ALL_VISIBLE), general, halves)
-    branches = branches if min(q.shape[1], k.shape[1]) >= 2 else branches[: GENERAL + 1]  # a token has no halves
-    out, lse = lax.switch(branch, branches, q, k, v, q_seg, kv_seg)
+    by_kind = {DIAGONAL: functools.partial(served, DIAGONAL), ALL_VISIBLE: functools.partial(served, ALL_VISIBLE)}
+    by_kind |= {GENERAL: general, HALVES: halves}
+    out, lse = _switch(kind, q_index, kv_index, q_seg, kv_seg, causal, max_segments, by_kind, q, k, v, q_seg, kv_seg)
     return out.astype(out_dtype or q.dtype), lse
 
 
@@ -349,7 +382,7 @@ def backward(
     cotangents (dlse may be None), in `grad_dtype` (default: q, k, v's dtypes), or added into `accumulate` sums in
     their dtypes. Raises Unservable as `forward` does."""
     max_segments = max(2, max_segments)
-    branch = _branch(call_kind(q_index, kv_index, causal), q_index, kv_index, q_seg, kv_seg, max_segments)
+    kind = call_kind(q_index, kv_index, causal)
     _check(q, v.shape[-1], primitives)
     served = functools.partial(_served_backward, scale=scale, max_segments=max_segments, primitives=primitives)
 
@@ -370,13 +403,13 @@ def backward(
             for j, ks in enumerate(_halves(k.shape[1])):
                 quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks], out[:, qs], lse[:, qs])
                 quarter += (dout[:, qs], None if dlse is None else dlse[:, qs])
-                dq, dk, dv_ = lax.cond(visible[i, j], kind_of(ALL_VISIBLE), _no_gradients, *quarter)
+                dq, dk, dv_ = _cond(visible[i, j], kind_of(ALL_VISIBLE), _no_gradients, *quarter)
                 grads = [grads[0].at[:, qs].add(dq), grads[1].at[:, ks].add(dk), grads[2].at[:, ks].add(dv_)]
         return tuple(grads)
 
-    branches = (kind_of(DIAGONAL), kind_of(ALL_VISIBLE), general, halves)
-    branches = branches if min(q.shape[1], k.shape[1]) >= 2 else branches[: GENERAL + 1]  # a token has no halves
-    grads = lax.switch(branch, branches, q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
+    by_kind = {DIAGONAL: kind_of(DIAGONAL), ALL_VISIBLE: kind_of(ALL_VISIBLE), GENERAL: general, HALVES: halves}
+    operands = (q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
+    grads = _switch(kind, q_index, kv_index, q_seg, kv_seg, causal, max_segments, by_kind, *operands)
     if accumulate is not None:
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))
     return tuple(g.astype(grad_dtype or x.dtype) for g, x in zip(grads, (q, k, v), strict=True))

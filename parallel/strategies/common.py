@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 
 from parallel import kernels
 from parallel.mesh import logical_spec
-from parallel.reorder import layout_index
+from parallel.reorder import from_balanced, layout_index, to_balanced
 
 
 def axis_names(axis) -> tuple[str, ...]:
@@ -68,6 +68,28 @@ def kernel(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, plan):
         block_q=plan.block_q,
         block_kv=plan.block_kv,
     )
+
+
+def wants_original_order(plan) -> bool:
+    """Whether the plan's kernel needs a sequence in original token order: cuDNN's packed metadata describes each
+    document as one run of increasing indices (parallel/kernels/cudnn.py); the other kernels take any order."""
+    return kernels.select(plan.kernel, interpret=plan.interpret).name == "cudnn"
+
+
+def whole_sequence(q, k, v, seg, *, shards: int, causal, scale, plan):
+    """The plan's kernel over a whole sequence held in `plan.layout` for `shards` ranks: q [batch, length, heads,
+    dqk], k/v [batch, length, kv_heads, d], seg [batch, length] (None = one document) -> out [batch, length, heads,
+    dv] in that layout. Under cuDNN the call runs in original order (static layout ops there and back), so it is
+    the causal diagonal."""
+    if wants_original_order(plan):
+        order = dict(layout=plan.layout if shards > 1 else "contiguous", stripe=plan.stripe, axis=1)
+        seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
+        q, k, v, seg = (from_balanced(x, shards, **order) for x in (q, k, v, seg))
+        index = np.arange(q.shape[1], dtype=np.int32)
+        out = kernel(q, k, v, seg, seg, index, index, causal=causal, scale=scale, plan=plan)[0]
+        return to_balanced(out, shards, **order)
+    index = jnp.asarray(global_index(q.shape[1], plan, shards))
+    return kernel(q, k, v, seg, seg, index, index, causal=causal, scale=scale, plan=plan)[0]
 
 
 def run_sharded(local, mesh, axis, q, k, v, segment_ids):

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
-
 from parallel import fused
-from parallel.strategies.common import axis_shards, global_index, kernel, run_sharded
+from parallel.strategies.common import axis_shards, run_sharded, whole_sequence
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
@@ -14,10 +12,9 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     shards = 1 if plan.layout == "contiguous" else axis_shards(mesh, plan.axis)
     if fused.usable(q, k, v, segment_ids=segment_ids, contiguous=shards == 1, enabled=plan.fused):
         return fused.attention(q, k, v, causal=causal, scale=scale)
-    index = jnp.asarray(global_index(q.shape[1], plan, shards))
 
     def local(q, k, v, segment_ids):
-        return kernel(q, k, v, segment_ids, segment_ids, index, index, causal=causal, scale=scale, plan=plan)[0]
+        return whole_sequence(q, k, v, segment_ids, shards=shards, causal=causal, scale=scale, plan=plan)
 
     if mesh is None or mesh.empty:
         return local(q, k, v, segment_ids)

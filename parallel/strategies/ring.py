@@ -17,6 +17,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from parallel import kernels
@@ -38,19 +39,25 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
 
     to_next = [(i, (i + 1) % shards) for i in range(shards)]
 
-    def pieces(kv, seg_all, source):
-        return kv[0], kv[1], seg_all[source], jnp.asarray(table)[source]
+    own = np.arange(n, dtype=np.int32)
+
+    def pieces(kv, seg, seg_all, rank, source):
+        """(k, v, kv segment ids, q_index, kv_index) of the step against the piece of `source` (None: our own, whose
+        indices are positions: static, so the kernel knows the causal diagonal at trace time; a piece is in
+        increasing global order, so causality by position is causality by global index)."""
+        if source is None:
+            return kv[0], kv[1], seg, own, own
+        return kv[0], kv[1], seg_all[source], jnp.asarray(table)[rank], jnp.asarray(table)[source]
 
     def step_forward(q, seg, kv, seg_all, rank, source):
-        """(out float32, lse) of local queries against the KV block of `source`."""
-        k_s, v_s, kv_seg, kv_index = pieces(kv, seg_all, source)
-        q_index = jnp.asarray(table)[rank]
+        """(out float32, lse) of local queries against the KV block of `source` (None: our own)."""
+        k_s, v_s, kv_seg, q_index, kv_index = pieces(kv, seg, seg_all, rank, source)
         return impl.forward(q, k_s, v_s, seg, kv_seg, q_index, kv_index, causal=causal, out_dtype=jnp.float32, **blocks)
 
     def step_backward(q, seg, kv, seg_all, out, lse, dout, rank, source, grads):
-        """grads = (dq float32, dk, dv) with the terms of local queries against the KV block of `source` added."""
-        k_s, v_s, kv_seg, kv_index = pieces(kv, seg_all, source)
-        q_index = jnp.asarray(table)[rank]
+        """grads = (dq float32, dk, dv) with the terms of local queries against the KV block of `source` (None: our
+        own) added."""
+        k_s, v_s, kv_seg, q_index, kv_index = pieces(kv, seg, seg_all, rank, source)
         args = (q, k_s, v_s, seg, kv_seg, q_index, kv_index, out, lse, dout, None)
         return impl.backward(*args, causal=causal, accumulate=grads, **blocks)
 
@@ -61,7 +68,7 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
         # The first and the last step are peeled off the scan: the first is the causal diagonal (the local block,
         # no permute to wait for) and its result initialises the merge; the last issues no permute, since no
         # block is needed after it. The scan body is then the same for every middle step: permute, compute, merge.
-        out, lse = step_forward(q, seg, kv, seg_all, rank, rank)
+        out, lse = step_forward(q, seg, kv, seg_all, rank, None)
 
         def body(carry, i):
             kv, out, lse = carry
@@ -91,7 +98,7 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
             jnp.zeros(q.shape, jnp.float32),
             *(jnp.zeros(x.shape, grad_dtype(x)) for x in kv),
         )
-        dq, dk, dv = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, rank, zeros)
+        dq, dk, dv = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, None, zeros)
 
         def body(carry, i):
             kv, dq, dk, dv = carry

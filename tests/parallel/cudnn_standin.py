@@ -8,10 +8,14 @@ segment with NaN. Masks: segment (the packed run) and, for the causal types, top
 in no segment and stats entries no token fills come back NaN, like the real kernel's uninitialised memory.
 """
 
+import functools
+import types
+
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as fa
 
-from parallel.kernels.cudnn import Primitives
+from parallel import blockwise, kernels
+from parallel.kernels import cudnn
 
 
 def _segments(query, key, value, q_seqlen, kv_seqlen, q_offsets, kv_offsets):
@@ -107,4 +111,31 @@ def backward(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets
     ]
 
 
-STANDIN = Primitives(forward, backward)
+STANDIN = cudnn.Primitives(forward, backward)
+
+
+def _poisoned(kernel):
+    """`kernel` (a blockwise.forward / backward) with every result NaN: a call that runs it shows in the output."""
+
+    def call(*args, **kwargs):
+        return tuple(x * jnp.nan for x in kernel(*args, **kwargs))
+
+    return call
+
+
+def serve_cudnn_with_standin(monkeypatch):
+    """From here on (in this test), `kernels.select("cudnn")` on any backend gives the cuDNN kernel on the stand-in
+    primitives, and the blockwise kernel behind it returns NaN: an attention run is finite only if cuDNN served
+    every call (static calls it cannot serve raise cudnn.Unservable)."""
+    select = kernels.select
+
+    def standin_select(kernel="auto", *, interpret=False, backend=None):
+        if kernel != "cudnn":
+            return select(kernel, interpret=interpret, backend=backend)
+        standin = dict(primitives=STANDIN, max_segments=16)  # as many documents as a test row has
+        forward, backward = (functools.partial(f, **standin) for f in (cudnn.forward, cudnn.backward))
+        return kernels.Kernel("cudnn", forward, backward)
+
+    monkeypatch.setattr(kernels, "select", standin_select)
+    poisoned = types.SimpleNamespace(forward=_poisoned(blockwise.forward), backward=_poisoned(blockwise.backward))
+    monkeypatch.setattr(cudnn, "blockwise", poisoned)

@@ -176,7 +176,7 @@ def test_traced_indices_choose_the_kind_at_run_time():
                                                 q_index, kv_index, True))  # fmt: skip
 
 
-@pytest.mark.parametrize("ranks", [(2, 1), (1, 2), (3, 0)])
+@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)])
 def test_dual_chunk_ring_steps_run_as_halves(ranks):
     """A dual_chunk ring step off the diagonal (rank q_rank's queries against rank kv_rank's piece of 4): neither
     kind as one call, but its query halves x key halves are each all-visible or invisible, so it runs the served
@@ -237,13 +237,20 @@ def test_real_primitives_trace(heads):
     index = np.arange(LENGTH)
     static = dict(causal=True, **STATIC, max_segments=8)
 
-    def loss(q, k, v):
+    def loss(q, k, v, index):
         """(dq, dk, dv) of forward then backward, lse's cotangent = lse."""
         out, lse = cudnn.forward(q, k, v, seg, seg, index, index, **static)
         return cudnn.backward(q, k, v, seg, seg, index, index, out, lse, out, lse, **static)
 
-    # in the run-time switch's served branches: the diagonal, all-visible, and the four quarters of halves
-    calls = primitive_calls(jax.make_jaxpr(loss)(q, k, v).jaxpr)
+    # static indices: the diagonal's forward and backward only; traced: the run-time switch's served branches,
+    # the diagonal, all-visible and the four quarters of halves
+    fixed = primitive_calls(jax.make_jaxpr(functools.partial(loss, index=index))(q, k, v).jaxpr)
+    assert [e.primitive.name for e in fixed] == [
+        "dot_product_attention_fwd_wrapper",
+        "dot_product_attention_bwd_wrapper",
+    ]
+    assert [e.params["mask_type"] for e in fixed] == [cudnn.MASKS[cudnn.DIAGONAL]] * 2
+    calls = primitive_calls(jax.make_jaxpr(loss)(q, k, v, index).jaxpr)
     names = ["dot_product_attention_fwd_wrapper"] * 6 + ["dot_product_attention_bwd_wrapper"] * 6
     assert [e.primitive.name for e in calls] == names
     masks = [cudnn.MASKS[cudnn.DIAGONAL]] + [cudnn.MASKS[cudnn.ALL_VISIBLE]] * 5
@@ -253,7 +260,7 @@ def test_real_primitives_trace(heads):
     assert q_op.aval.shape == k_op.aval.shape == v_op.aval.shape == (2, LENGTH, h, -(-width // 8) * 8)
     assert q_len.aval.shape == (2, 8) and q_off.aval.shape == (2, 9)
     assert calls[0].outvars[1].aval.shape == (2 * 8, h, LENGTH)
-    shapes = jax.eval_shape(loss, q, k, v)
+    shapes = jax.eval_shape(loss, q, k, v, index)
     assert [s.shape for s in shapes] == [q.shape, k.shape, v.shape]
 
 
@@ -266,6 +273,16 @@ def test_which_calls_and_backends_it_serves():
         cudnn.call_kind(index, index + 4, True)
     with pytest.raises(cudnn.Unservable):  # one query has no halves
         cudnn.call_kind(index[3:4], index, True)
+    # a whole dual_chunk sequence (a document in two runs) is no packed row: static unservable, traced general
+    shuffled = layout_index(LENGTH, 2, "dual_chunk")
+    with pytest.raises(cudnn.Unservable, match="increasing global order"):
+        cudnn.call_kind(shuffled, shuffled, False)
+    q, k, v = inputs(*HEADS["gqa"])
+    seg = jnp.asarray(packed_segments(2, LENGTH)[:, shuffled])
+    kind = cudnn.runtime_kind(jnp.asarray(shuffled), jnp.asarray(shuffled), seg, seg, causal=False)
+    assert int(kind) == cudnn.GENERAL
+    got = jax.jit(lambda i: run(*STANDIN_KERNEL, q, k, v, seg, seg, i, i, False))(shuffled)
+    assert_same(got, run(blockwise.forward, blockwise.backward, q, k, v, seg, seg, shuffled, shuffled, False))
     # traced, one query against keys around it runs the blockwise kernel (no halves branch to trace)
     q, k, v = inputs(*HEADS["gqa"], tq=1)
     one, seg = jnp.ones((2, 1), jnp.int32), jnp.ones((2, LENGTH), jnp.int32)

@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 import parallel
 from parallel.reorder import from_balanced, to_balanced
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
+from tests.parallel.cudnn_standin import serve_cudnn_with_standin
 
 HEADS = {"mha": (8, 8, 16, 16), "gqa": (8, 2, 16, 16), "mla": (8, 8, 24, 16)}  # heads, kv heads, dqk, dv
 BATCH, LENGTH = 2, 64
@@ -130,6 +131,27 @@ def test_strategy_with_the_pallas_kernel(strategy):
     """The Pallas kernels (interpret mode) behind a strategy: each ring step's forward / backward (adding into the
     ring's running gradient sums) and the differentiable kernel all_gather calls."""
     check_strategy(strategy, 4, case_list=[("gqa", True), ("mla", False)], kernel="pallas")
+
+
+@pytest.mark.parametrize(
+    "strategy, shards, layout",
+    [
+        ("none", 1, "contiguous"),
+        ("ring", 2, "dual_chunk"),
+        ("all_gather", 4, "dual_chunk"),
+        ("all_gather", 2, "contiguous"),
+        ("ulysses", 4, "dual_chunk"),
+        ("ulysses", 2, "striped"),
+        ("usp", 4, "dual_chunk"),
+    ],
+)
+def test_strategy_with_the_cudnn_kernel(strategy, shards, layout, monkeypatch):
+    """cuDNN (the dense stand-in of its primitives) serves every attention call of these strategies and layouts,
+    packed and unpacked (the ring's and usp's steps causal only, which keeps their run-time kind switch's compile
+    short): the blockwise kernel behind it returns NaN, yet outputs and gradients equal the reference."""
+    serve_cudnn_with_standin(monkeypatch)
+    case_list = [("gqa", True)] if strategy in ("ring", "usp") else [("gqa", True), ("mla", False)]
+    check_strategy(strategy, shards, layout, case_list=case_list, kernel="cudnn")
 
 
 def test_ring_sends_dkv_in_the_compute_dtype():

@@ -1,0 +1,82 @@
+"""On a GPU only (skipped elsewhere): the real cuDNN and Pallas (Triton) kernels equal the blockwise kernel on the
+same bfloat16 inputs, in out, lse, dq, dk and dv through a loss with a nonzero lse cotangent, for every kind of call
+the strategies make: the causal diagonal and a non-causal call, on packed and unpacked rows; keys that all precede
+the queries (a ring step); a dual_chunk ring step off the diagonal (cuDNN: its halves); striped global indices
+(cuDNN: the blockwise kernel). MHA, GQA and MLA head dims; indices static and traced.
+
+    python -m pytest -q tests/parallel/test_gpu_kernels.py
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from parallel import kernels
+from parallel.reorder import layout_index
+from tests.parallel.attention_reference import packed_segments, relative_error
+
+pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the real kernels need a GPU")
+
+HEADS = {"mha": (8, 8, 64, 64), "gqa": (8, 2, 128, 128), "mla": (8, 8, 192, 128)}  # heads, kv heads, dqk, dv
+PIECE = 512  # tokens per call side; a ring's pieces are 4 of these
+BLOCKS = dict(block_q=64, block_kv=64)
+
+
+def call(kind: str, packed: bool):
+    """(q_seg, kv_seg [2, PIECE] int32, q_index, kv_index [PIECE] int32 numpy, causal) of one kind of call."""
+    if kind in ("diagonal", "full"):
+        seg = packed_segments(2, PIECE, seed=1) if packed else np.ones((2, PIECE), np.int32)
+        index = np.arange(PIECE, dtype=np.int32)
+        return jnp.asarray(seg), jnp.asarray(seg), index, index, kind == "diagonal"
+    layout, (q_rank, kv_rank) = {"preceding": ("contiguous", (1, 0)), "halves": ("dual_chunk", (2, 1))}.get(
+        kind, ("striped", (1, 2))
+    )
+    index = layout_index(4 * PIECE, 4, layout, stripe=16).reshape(4, PIECE)
+    full = packed_segments(2, 4 * PIECE, seed=2) if packed else np.ones((2, 4 * PIECE), np.int32)
+    q_index, kv_index = index[q_rank], index[kv_rank]
+    return jnp.asarray(full[:, q_index]), jnp.asarray(full[:, kv_index]), q_index, kv_index, True
+
+
+def outputs_and_grads(kernel: str, q, k, v, q_seg, kv_seg, q_index, kv_index, causal: bool, traced: bool):
+    """(out, lse, dq, dk, dv) as float32 of a loss through out and lse."""
+    rng = np.random.default_rng(1)
+    w_out = jnp.asarray(rng.normal(size=(*q.shape[:3], v.shape[-1])), jnp.float32)
+    w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
+
+    def loss(q, k, v, q_index, kv_index):
+        options = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=q_index, kv_index=kv_index)
+        out, lse = kernels.attention(q, k, v, causal=causal, kernel=kernel, **options, **BLOCKS)
+        out32 = out.astype(jnp.float32)
+        return jnp.sum(out32 * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse), (out32, lse)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
+    if traced:
+        grads, (out, lse) = jax.jit(grad)(q, k, v, q_index, kv_index)
+    else:
+        grads, (out, lse) = jax.jit(lambda q, k, v: grad(q, k, v, q_index, kv_index))(q, k, v)
+    return out, lse, *(g.astype(jnp.float32) for g in grads)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "pallas"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("kind", ["diagonal", "full", "preceding", "halves", "striped"])
+def test_kernel_equals_blockwise_on_gpu(kernel, heads, kind):
+    """Packed and unpacked rows, indices static and traced."""
+    h, hkv, dqk, dv = HEADS[heads]
+    rng = np.random.default_rng(0)
+    shapes = [(2, PIECE, h, dqk), (2, PIECE, hkv, dqk), (2, PIECE, hkv, dv)]
+    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in shapes)
+    for packed, traced in itertools.product([True, False], [False, True]):
+        label = f"{kernel} {heads} {kind} packed={packed} traced={traced}"
+        case = call(kind, packed)
+        got = outputs_and_grads(kernel, q, k, v, *case, traced=traced)
+        want = outputs_and_grads("blockwise", q, k, v, *case, traced=traced)
+        assert np.array_equal(np.isinf(got[1]), np.isinf(want[1])), f"{label}: tokens with no visible key differ"
+        finite = lambda x: jnp.where(jnp.isfinite(x), x, 0.0)
+        assert relative_error(finite(got[1]), finite(want[1])) < 1e-2, f"{label}: lse"
+        for name, a, b in zip(["out", "dq", "dk", "dv"], (got[0], *got[2:]), (want[0], *want[2:]), strict=True):
+            assert not np.isnan(np.asarray(a)).any(), f"{label}: NaN in {name}"
+            assert relative_error(a, b) < 3e-2, f"{label}: {name}"
