@@ -1,5 +1,5 @@
-"""Training throughput of the tiny Llama and a ~100M-parameter Llama: remat policies none and full, or the context
-strategies (none, ring, all_gather, ulysses at context=8) on the same batch.
+"""Training throughput of the tiny Llama, a ~100M- and a ~1B-parameter Llama: remat policies none and full, the
+context strategies (none, ring, all_gather, ulysses at context=8), or the attention kernels (GPU) on the same batch.
 
 For each model, every variant of the comparison gets its own state, mesh and compiled train step on a fixed random
 batch, one warm-up step each, then `--steps` timed steps each, alternating between the variants so that a slow
@@ -10,11 +10,15 @@ FLOP/s that MFU is measured against (on CPU: a measured float32 matmul rate).
     --compare remat (default): mesh all local devices on fsdp; remat none (the baseline) and full.
     --compare context: 8 devices (simulated on CPU); strategy none on fsdp=8 (the baseline), and ring, all_gather
         and ulysses on context=8, all on the same rows (8 heads of 32 so that ulysses splits them).
+    --compare kernel: GPU only; parallel.attention_kernel blockwise (the baseline), pallas and cudnn, bfloat16,
+        remat full, no public-API cuDNN path (fused_attention=false). `--doc-len` packs each row with documents.
 
     PYTHONPATH=. python bench/train_throughput.py
     PYTHONPATH=. python bench/train_throughput.py --models 100m --steps 20 --batch 8 --seq-len 1024
     PYTHONPATH=. python bench/train_throughput.py --quick    # tiny only, 3 timed steps per variant
     PYTHONPATH=. python bench/train_throughput.py --compare context --quick
+    PYTHONPATH=. python bench/train_throughput.py --compare kernel --models 1b --seq-len 8192 --doc-len 2048
+    PYTHONPATH=. python bench/train_throughput.py --compare kernel --models 1b --seq-len 131072 --steps 3
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from bench.report import ratio
+from bench.report import ratio, skip
 from parallel.configure import make_plan
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.config import Config, load_config
@@ -54,10 +58,12 @@ COMPARISONS = {
         "all_gather": (*_CONTEXT, "parallel.context_strategy=all_gather"),
         "ulysses": (*_CONTEXT, "parallel.context_strategy=ulysses"),
     },
+    "kernel": {name: (f"parallel.attention_kernel={name}",) for name in ("blockwise", "pallas", "cudnn")},
 }
 COMMON = {
     "remat": (),
     "context": ("model.num_heads=8", "model.num_kv_heads=8", "model.head_dim=32"),
+    "kernel": ("compute.dtype=bfloat16", "compute.remat_policy=full", "parallel.fused_attention=false"),
 }
 
 
@@ -85,6 +91,20 @@ MODELS = {
         ),
         steps=3,
     ),
+    "1b": Model(
+        overrides=(
+            "model.embed_dim=2048",
+            "model.num_layers=16",
+            "model.num_heads=32",
+            "model.num_kv_heads=8",
+            "model.head_dim=64",
+            "model.mlp_dim=8192",
+            "model.vocab_size=32768",
+            "data.seq_len=8192",
+            "train.batch_size=1",
+        ),
+        steps=5,
+    ),
 }
 
 
@@ -98,6 +118,7 @@ class Run:
     state: nnx.State
     batch: dict
     params: int
+    doc_len: int  # tokens per document of each row (attention FLOPs are per document)
     seconds: list[float] = dataclasses.field(default_factory=list)
 
 
@@ -124,23 +145,24 @@ def build_config(name: str, variant: str, args: argparse.Namespace) -> Config:
     return load_config(BASE_CONFIG, overrides)
 
 
-def random_batch(config: Config, mesh) -> dict:
-    """A fixed batch of one document per row, placed over the mesh's batch axes."""
+def random_batch(config: Config, mesh, doc_len: int = 0) -> dict:
+    """A fixed batch, each row one document or documents of `doc_len` tokens, placed over the mesh's batch axes."""
     rows, length = config.train.batch_size, config.data.seq_len
     rng = np.random.default_rng(0)
     tokens, targets = rng.integers(0, config.model.vocab_size, size=(2, rows, length), dtype=np.int32)
+    doc_len = doc_len or length
     batch = {
         "tokens": tokens,
         "targets": targets,
-        "segment_ids": np.ones((rows, length), np.int32),
-        "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)),
+        "segment_ids": np.broadcast_to(np.arange(length, dtype=np.int32) // doc_len + 1, (rows, length)),
+        "positions": np.broadcast_to(np.arange(length, dtype=np.int32) % doc_len, (rows, length)),
         "loss_mask": np.ones((rows, length), np.float32),
     }
     sharding = batch_sharding(mesh)
     return {key: jax.device_put(value, sharding) for key, value in batch.items()}
 
 
-def prepare(config: Config) -> Run:
+def prepare(config: Config, doc_len: int = 0) -> Run:
     """Mesh, state, batch and compiled train step for `config`, after one warm-up step."""
     mesh = make_mesh(config.mesh)
     check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
@@ -155,7 +177,7 @@ def prepare(config: Config) -> Run:
             accum_steps=config.train.grad_accum_steps,
             plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform),
         )
-        batch = random_batch(config, mesh)  # random tokens: the sequence layout changes nothing measured
+        batch = random_batch(config, mesh, doc_len)  # random tokens: the sequence layout changes nothing measured
         run = Run(
             config,
             mesh,
@@ -163,6 +185,7 @@ def prepare(config: Config) -> Run:
             train_state.state,
             batch,
             param_count(train_state.state),
+            doc_len or config.data.seq_len,
         )
         timed_step(run)
     return run
@@ -189,7 +212,7 @@ def result(name: str, variant: str, run: Run, peak: float) -> Result:
         batch=config.train.batch_size,
         tokens_per_sec=tokens_per_sec,
         step_ms=1e3 * seconds,
-        mfu=tokens_per_sec * flops_per_token(config.model, config.data.seq_len) / peak,
+        mfu=tokens_per_sec * flops_per_token(config.model, run.doc_len) / peak,
         temp_mib=memory.temp_size_in_bytes / MIB,
         argument_mib=memory.argument_size_in_bytes / MIB,
     )
@@ -197,7 +220,8 @@ def result(name: str, variant: str, run: Run, peak: float) -> Result:
 
 def measure(name: str, args: argparse.Namespace, peak: float) -> list[Result]:
     """Every variant of the comparison on one model, their timed steps interleaved."""
-    runs = {variant: prepare(build_config(name, variant, args)) for variant in COMPARISONS[args.compare]}
+    variants = COMPARISONS[args.compare]
+    runs = {variant: prepare(build_config(name, variant, args), args.doc_len) for variant in variants}
     for _ in range(args.steps or MODELS[name].steps):
         for run in runs.values():
             run.seconds.append(timed_step(run))
@@ -240,11 +264,12 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,100m", help=f"comma-separated, from {', '.join(MODELS)}")
     parser.add_argument("--compare", default="remat", choices=tuple(COMPARISONS), help="what the variants differ in")
-    parser.add_argument("--steps", type=int, default=0, help="timed steps per variant (default: 20 tiny, 3 100m)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps per variant (default: 20 tiny, 3 100m, 5 1b)")
     parser.add_argument(
-        "--batch", type=int, default=0, help="global batch rows for every model (default: 8 tiny, 2 100m)"
+        "--batch", type=int, default=0, help="global batch rows for every model (default: 8 tiny, 2 100m, 1 1b)"
     )
     parser.add_argument("--seq-len", type=int, default=0, help="tokens per row for every model (default: 256)")
+    parser.add_argument("--doc-len", type=int, default=0, help="tokens per document of each row (default: the row)")
     parser.add_argument("--quick", action="store_true", help="--models tiny --steps 3")
     args = parser.parse_args()
     if args.quick:
@@ -258,6 +283,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.compare == "kernel" and jax.default_backend() != "gpu":
+        skip("--compare kernel needs a GPU: the Pallas and cuDNN kernels compile for GPU only")
     peak_per_device = peak_flops_per_device()
     peak = peak_per_device * jax.device_count()
     results = [r for name in args.models for r in measure(name, args, peak)]
