@@ -1,8 +1,9 @@
 """On a GPU only (skipped elsewhere): the real cuDNN and Pallas (Triton) kernels equal the blockwise kernel on the
 same bfloat16 inputs, in out, lse, dq, dk and dv through a loss with a nonzero lse cotangent, for every kind of call
 the strategies make: the causal diagonal and a non-causal call, on packed and unpacked rows; keys that all precede
-the queries (a ring step); a dual_chunk ring step off the diagonal (cuDNN: its halves); striped global indices
-(cuDNN: the blockwise kernel). MHA, GQA and MLA head dims; indices static and traced.
+the queries (a ring step), also all in other documents (every packed slot empty); a dual_chunk ring step off the
+diagonal (cuDNN: its halves); striped global indices (cuDNN: the blockwise kernel). MHA, GQA and MLA head dims;
+indices static and traced.
 
     python -m pytest -q tests/parallel/test_gpu_kernels.py
 """
@@ -27,6 +28,10 @@ BLOCKS = dict(block_q=64, block_kv=64)
 
 def call(kind: str, packed: bool):
     """(q_seg, kv_seg [2, PIECE] int32, q_index, kv_index [PIECE] int32 numpy, causal) of one kind of call."""
+    if kind == "foreign":  # keys that precede the queries but belong to other documents: nothing visible
+        index = np.arange(2 * PIECE, dtype=np.int32)
+        ones = np.ones((2, PIECE), np.int32)
+        return jnp.asarray(2 * ones), jnp.asarray(ones), index[PIECE:], index[:PIECE], True
     if kind in ("diagonal", "full"):
         seg = packed_segments(2, PIECE, seed=1) if packed else np.ones((2, PIECE), np.int32)
         index = np.arange(PIECE, dtype=np.int32)
@@ -62,7 +67,7 @@ def outputs_and_grads(kernel: str, q, k, v, q_seg, kv_seg, q_index, kv_index, ca
 
 @pytest.mark.parametrize("kernel", ["cudnn", "pallas"])
 @pytest.mark.parametrize("heads", list(HEADS))
-@pytest.mark.parametrize("kind", ["diagonal", "full", "preceding", "halves", "striped"])
+@pytest.mark.parametrize("kind", ["diagonal", "full", "preceding", "foreign", "halves", "striped"])
 def test_kernel_equals_blockwise_on_gpu(kernel, heads, kind):
     """Packed and unpacked rows, indices static and traced."""
     h, hkv, dqk, dv = HEADS[heads]
