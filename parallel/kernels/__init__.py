@@ -107,21 +107,13 @@ def attention(
     q_segment_ids = jnp.ones((batch, tq), jnp.int32) if q_segment_ids is None else q_segment_ids
     kv_segment_ids = jnp.ones((batch, tk), jnp.int32) if kv_segment_ids is None else kv_segment_ids
     indices = (np.arange(tq) if q_index is None else q_index, np.arange(tk) if kv_index is None else kv_index)
-    known = tuple(_known(index) for index in indices)
+    known = tuple(cudnn.known_at_trace_time(index) for index in indices)
     static = dict(causal=causal, scale=float(dqk**-0.5 if scale is None else scale), block_q=block_q, block_kv=block_kv)
     segment_ids = (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
     impl = select(kernel, interpret=interpret)
     if all(index is not None for index in known):
-        return _attention(impl, static, known, q, k, v, *segment_ids)
+        return _attention(impl, static, tuple(index.astype(np.int32) for index in known), q, k, v, *segment_ids)
     return _attention(impl, static, None, q, k, v, *segment_ids, *(jnp.asarray(i, jnp.int32) for i in indices))
-
-
-def _known(index):
-    """[t] indices -> the numpy array when known at trace time (numpy or concrete), else None."""
-    try:
-        return np.asarray(index, np.int32)
-    except jax.errors.TracerArrayConversionError:
-        return None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -85,18 +85,19 @@ class Metadata(NamedTuple):
 
 
 def call_kind(q_index, kv_index, causal: bool):
-    """[tq], [tk] global indices -> DIAGONAL, ALL_VISIBLE or HALVES when static (numpy or concrete), None when traced
-    (the kind is then decided at run time); raises Unservable for any other static pattern. Every served call has
-    increasing indices on both sides, so each document is one run of the row (what packed metadata describes)."""
-    try:
-        q, kv = np.asarray(q_index), np.asarray(kv_index)
-    except jax.errors.TracerArrayConversionError:
-        return None
-    if not (_increasing(q) and _increasing(kv)):
+    """[tq], [tk] global indices -> DIAGONAL, ALL_VISIBLE or HALVES when both are static (numpy, or concrete outside
+    jit), None when one is traced (the kind is then decided at run time); raises Unservable for any other static
+    pattern, or a static side that is not increasing. Every served call has increasing indices on both sides, so
+    each document is one run of the row (what packed metadata describes). A static DIAGONAL still needs the same
+    segment ids on both sides at run time (see _switch)."""
+    q, kv = known_at_trace_time(q_index), known_at_trace_time(kv_index)
+    if any(side is not None and not _increasing(side) for side in (q, kv)):
         raise Unservable(
             "attention kernel 'cudnn' needs query and key tokens in increasing global order (each document one run "
             "of the row); these global indices are not"
         )
+    if q is None or kv is None:
+        return None
     if not causal:
         return ALL_VISIBLE
     if q.shape == kv.shape and (q == kv).all():
@@ -109,6 +110,14 @@ def call_kind(q_index, kv_index, causal: bool):
         "attention kernel 'cudnn' serves the causal diagonal (same increasing indices), keys that all precede the "
         "queries, or query halves x key halves that are each one or the other; these global indices are none"
     )
+
+
+def known_at_trace_time(index):
+    """[t] indices -> numpy when known at trace time (numpy, or concrete outside jit), else None (traced)."""
+    try:
+        return np.asarray(index)
+    except jax.errors.TracerArrayConversionError:
+        return None
 
 
 def _increasing(index) -> bool:
@@ -238,17 +247,20 @@ def _operands(q, k, v, width: int):
 
 
 def _switch(kind, q_index, kv_index, q_seg, kv_seg, causal: bool, max_segments: int, by_kind: dict, *operands):
-    """Runs by_kind[k](*operands) for the call's kind k: the static `kind` (then only it and GENERAL are compiled),
-    or the kind decided from the traced indices when None (a non-causal call is ALL_VISIBLE or GENERAL; a call with
-    a single query or key token has no halves); GENERAL (the blockwise kernel) when a row has more segments than
-    max_segments."""
-    if kind is None and not causal:
+    """Runs by_kind[k](*operands) for the call's kind k: the static `kind` (then only it and GENERAL are compiled; a
+    DIAGONAL whose query and key segment ids differ is GENERAL), or the kind decided from the traced indices when
+    None (only the kinds the call's shapes allow are compiled: a non-causal call is ALL_VISIBLE or GENERAL, the
+    DIAGONAL needs as many keys as queries, halves at least two of each); GENERAL (the blockwise kernel) when a row
+    has more segments than max_segments."""
+    if kind is None:
         kind, kinds = runtime_kind(q_index, kv_index, q_seg, kv_seg, causal), (ALL_VISIBLE, GENERAL)
-    elif kind is None:
-        kind = runtime_kind(q_index, kv_index, q_seg, kv_seg, causal)
-        halves = _increasing(q_index) & _increasing(kv_index) & jnp.all(quarters(q_index, kv_index)[0])
-        kind = jnp.where((kind == GENERAL) & halves, HALVES, kind)
-        kinds = (DIAGONAL, ALL_VISIBLE, GENERAL, HALVES)[: 4 if min(len(q_index), len(kv_index)) >= 2 else 3]
+        if causal:
+            halves = _increasing(q_index) & _increasing(kv_index) & jnp.all(quarters(q_index, kv_index)[0])
+            kind = jnp.where((kind == GENERAL) & halves, HALVES, kind)
+            same_shapes = q_index.shape == kv_index.shape and q_seg.shape == kv_seg.shape
+            kinds = (DIAGONAL,) * same_shapes + kinds + (HALVES,) * (min(len(q_index), len(kv_index)) >= 2)
+    elif kind == DIAGONAL:
+        kind, kinds = jnp.where(jnp.all(q_seg == kv_seg), DIAGONAL, GENERAL), (DIAGONAL, GENERAL)
     else:
         kinds = (kind, GENERAL)
     kind = jnp.where(too_many_segments(q_seg, max_segments), GENERAL, kind)

@@ -6,10 +6,13 @@ into one collective would copy the whole gathered sequence twice more (stack, th
 Under cuDNN (whose masks know segments and top-left causality, not global indices) the gathered K/V are put in
 original order and each query chunk of the local piece (one, or two in dual_chunk) makes two calls merged by
 log-sum-exp: its own keys (the causal diagonal) and every key before the chunk, later keys masked as padding
-(all-visible). Other layouts (striped: many chunks per piece) run one general call.
+(all-visible). Other layouts (striped: many chunks per piece) run the blockwise kernel, which cuDNN would fall back
+to for every call anyway.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +27,10 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     index = global_index(q.shape[1], plan, shards)
-    by_chunks = wants_original_order(plan) and (plan.layout in ("contiguous", "dual_chunk") or shards == 1)
+    cudnn, chunked = wants_original_order(plan), plan.layout in ("contiguous", "dual_chunk") or shards == 1
+    if cudnn and not chunked:  # striped: no call cuDNN serves, so compile none
+        plan = dataclasses.replace(plan, kernel="blockwise")
+    by_chunks = cudnn and chunked
     static = dict(causal=causal, scale=scale, plan=plan)
 
     def local(q, k, v, seg):

@@ -80,7 +80,7 @@ def whole_sequence(q, k, v, seg, *, shards: int, causal, scale, plan):
     """The plan's kernel over a whole sequence held in `plan.layout` for `shards` ranks: q [batch, length, heads,
     dqk], k/v [batch, length, kv_heads, d], seg [batch, length] (None = one document) -> out [batch, length, heads,
     dv] in that layout. Under cuDNN the call runs in original order (static layout ops there and back), so it is
-    the causal diagonal."""
+    the causal diagonal (or all-visible, non-causal) that cuDNN serves."""
     if wants_original_order(plan):
         order = dict(layout=plan.layout if shards > 1 else "contiguous", stripe=plan.stripe, axis=1)
         seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg

@@ -1,7 +1,8 @@
 """`ring`: K and V travel around the context axis, one `ppermute` of each per step, while each device attends its
 local queries to the piece it holds; partial results merge by log-sum-exp in fp32.
 
-Every step is one kernel call over the whole local Q and the piece, causal by global token index: the kernel skips
+Every step is one kernel call over the whole local Q and the piece, causal by global token index (the step against
+our own piece by position, the same order, so the kernel knows the diagonal at trace time): the kernel skips
 block pairs with nothing visible (the blockwise kernel also builds no mask where all pairs are visible), so in the
 dual_chunk layout the steps cost the same on every rank (own piece: the causal diagonal; a piece from a lower
 rank: all Q x its first chunk; from a higher rank: our second chunk x all of it) with no branch on the step. The

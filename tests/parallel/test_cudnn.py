@@ -273,6 +273,12 @@ def test_which_calls_and_backends_it_serves():
         cudnn.call_kind(index, index + 4, True)
     with pytest.raises(cudnn.Unservable):  # one query has no halves
         cudnn.call_kind(index[3:4], index, True)
+    # static diagonal indices with key segment ids unlike the queries' (a key padding mask): run-time general
+    q, k, v = inputs(*HEADS["gqa"])
+    seg = jnp.asarray(packed_segments(2, LENGTH))
+    whole = np.arange(LENGTH)
+    args = (q, k, v, seg, seg.at[:, :4].set(0), whole, whole, True)
+    assert_same(run(*STANDIN_KERNEL, *args), run(blockwise.forward, blockwise.backward, *args))
     # a whole dual_chunk sequence (a document in two runs) is no packed row: static unservable, traced general
     shuffled = layout_index(LENGTH, 2, "dual_chunk")
     with pytest.raises(cudnn.Unservable, match="increasing global order"):
