@@ -145,12 +145,11 @@ def build_config(name: str, variant: str, args: argparse.Namespace) -> Config:
     return load_config(BASE_CONFIG, overrides)
 
 
-def random_batch(config: Config, mesh, doc_len: int = 0) -> dict:
-    """A fixed batch, each row one document or documents of `doc_len` tokens, placed over the mesh's batch axes."""
+def random_batch(config: Config, mesh, doc_len: int) -> dict:
+    """A fixed batch, each row documents of `doc_len` tokens, placed over the mesh's batch axes."""
     rows, length = config.train.batch_size, config.data.seq_len
     rng = np.random.default_rng(0)
     tokens, targets = rng.integers(0, config.model.vocab_size, size=(2, rows, length), dtype=np.int32)
-    doc_len = doc_len or length
     batch = {
         "tokens": tokens,
         "targets": targets,
@@ -163,7 +162,9 @@ def random_batch(config: Config, mesh, doc_len: int = 0) -> dict:
 
 
 def prepare(config: Config, doc_len: int = 0) -> Run:
-    """Mesh, state, batch and compiled train step for `config`, after one warm-up step."""
+    """Mesh, state, batch (rows of documents of `doc_len` tokens; 0: one per row) and compiled train step for
+    `config`, after one warm-up step."""
+    doc_len = doc_len or config.data.seq_len
     mesh = make_mesh(config.mesh)
     check_batch(config.train.batch_size, config.train.grad_accum_steps, mesh)
     train_state = create_state(
@@ -185,7 +186,7 @@ def prepare(config: Config, doc_len: int = 0) -> Run:
             train_state.state,
             batch,
             param_count(train_state.state),
-            doc_len or config.data.seq_len,
+            doc_len,
         )
         timed_step(run)
     return run
