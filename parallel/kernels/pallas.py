@@ -4,9 +4,17 @@ above the diagonal skipped (by the same block summaries, taken inside the kernel
 value heads, query-key and value head dims that differ, lse out and its cotangent in.
 
 Three kernels: the forward (grid batch x heads x query blocks, a loop over key blocks), dk / dv (grid batch x
-key-value heads x key blocks, a loop over the group's query heads and query blocks) and dq (as the forward).
+key-value heads x key blocks, one loop over the query blocks x the group's query heads) and dq (as the forward).
 Head dims are zero-padded to a power of two and lengths to whole power-of-two blocks (Triton's block rule; zero
 features change no dot product, padded tokens are segment 0).
+
+Every pallas_call names Triton (its compiler params): JAX 0.10.2 lowers one that names no backend to Mosaic GPU,
+which these kernels do not fit. A kernel holds one block (queries: forward, dq; keys: dk / dv) and streams the other
+through its loop; the caller's block_q / block_kv are upper bounds, lowered per kernel by `_tiles` from head dims and
+itemsize so that each fits an H100's shared memory (227 KiB a block) and registers (tests/gpu_compile). The streamed
+operands are passed as blocks of the whole padded length, which need not be a power of two (3 blocks, say): Triton
+lowers a block to a base pointer and only the pl.ds windows loaded must be powers of two; nothing of the whole
+length is staged in shared memory (Mosaic GPU would copy it there).
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from parallel.segments import INT32_MAX
 
@@ -31,11 +40,39 @@ def _pad_to(x, axis: int, size: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _blocks(length: int, block: int) -> tuple[int, int]:
-    """(block size, padded length) for `length` tokens: a power of two (Triton's rule) of at most `block` (at least
-    16, the smallest matrix-multiply tile) and no larger than needed."""
-    size = max(16, min(1 << (block.bit_length() - 1), pl.next_power_of_2(length)))
-    return size, -(-length // size) * size
+# Triton compiler params of every kernel: 8 warps (two warpgroups; with 4, H100 compiles of these tiles spill
+# registers), 2 stages (as JAX's Pallas attention; the streamed loads sit under the block-skip cond, which Triton's
+# pipeliner leaves single-buffered: 1 to 4 stages compile to the same shared memory).
+NUM_WARPS, NUM_STAGES = 8, 2
+
+
+def _tiles(kernel: str, dqk: int, dv: int, itemsize: int) -> tuple[int, int]:
+    """(largest held block, largest streamed block) of `kernel` ("forward", "dkdv", "dq"; held: the queries of the
+    forward and dq, the keys of dk / dv) for padded head dims and an itemsize, each a power of two in [16, 128]:
+    with row = (dqk + dv) * itemsize bytes a token, held blocks take at most 96 KiB of rows (forward) or 64 KiB
+    (backward), streamed blocks 32 KiB (forward), 16 KiB (dq, at most 64 rows) or 32 rows (dk / dv). Measured on
+    H100 compiles of head dims 64 to 256 (tests/gpu_compile): at most 128 KiB of the 227 KiB shared memory a block
+    may use (Triton's tiles of q / k / v / dout, none of them multi-buffered), and in bfloat16 no register spills
+    but dq's at head dim 256 (84 bytes); in float32 dk / dv spills 92 to 460 bytes at head dims 128 and above."""
+    row = (dqk + dv) * itemsize
+    fit = lambda budget: max(16, min(128, 1 << (max(1, budget // row).bit_length() - 1)))
+    held = fit(96 << 10 if kernel == "forward" else 64 << 10)
+    return held, {"forward": fit(32 << 10), "dkdv": 32, "dq": min(64, fit(16 << 10))}[kernel]
+
+
+def _block(length: int, block: int) -> int:
+    """A power of two (Triton's rule) of at most `block` (at least 16, the smallest matrix-multiply tile) and no
+    larger than `length` needs."""
+    return max(16, min(1 << (block.bit_length() - 1), pl.next_power_of_2(length)))
+
+
+def _config(kernel: str, q, k, v, block_q: int, block_kv: int):
+    """(bq, bk, Triton compiler params) of `kernel` for q, k, v (unpadded): the caller's blocks capped by _tiles."""
+    dqk, dv = pl.next_power_of_2(q.shape[-1]), pl.next_power_of_2(v.shape[-1])
+    held, streamed = _tiles(kernel, dqk, dv, max(x.dtype.itemsize for x in (q, k, v)))
+    cap_q, cap_kv = (streamed, held) if kernel == "dkdv" else (held, streamed)
+    bq, bk = _block(q.shape[1], min(block_q, cap_q)), _block(k.shape[1], min(block_kv, cap_kv))
+    return bq, bk, plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
 def _summary(seg, index):
@@ -97,18 +134,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_idx_ref, kv_id
     lse_ref[...] = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
 
 
-def _prepare(q, k, v, q_seg, kv_seg, q_index, kv_index, block_q, block_kv):
-    """Pads lengths to whole blocks (padding: segment 0) and head dims to powers of two; returns the padded
-    arrays and (bq, bk)."""
-    bq, tq = _blocks(q.shape[1], block_q)
-    bk, tk = _blocks(k.shape[1], block_kv)
+def _prepare(q, k, v, q_seg, kv_seg, q_index, kv_index, q_multiple: int, kv_multiple: int):
+    """Pads lengths to whole multiples of the (power-of-two) blocks given (padding: segment 0) and head dims to
+    powers of two."""
+    tq, tk = (-(-t // m) * m for t, m in ((q.shape[1], q_multiple), (k.shape[1], kv_multiple)))
     dqk, dv = pl.next_power_of_2(q.shape[-1]), pl.next_power_of_2(v.shape[-1])
     q = _pad_to(_pad_to(q, 1, tq), 3, dqk)
     k = _pad_to(_pad_to(k, 1, tk), 3, dqk)
     v = _pad_to(_pad_to(v, 1, tk), 3, dv)
     q_seg, q_index = _pad_to(q_seg, 1, tq), _pad_to(q_index, 0, tq)
     kv_seg, kv_index = _pad_to(kv_seg, 1, tk), _pad_to(kv_index, 0, tk, INT32_MAX)  # padded keys skip causally
-    return (q, k, v, q_seg, kv_seg, q_index, kv_index), (bq, bk)
+    return q, k, v, q_seg, kv_seg, q_index, kv_index
 
 
 def forward(
@@ -119,9 +155,8 @@ def forward(
     batch, tq, heads, _ = q.shape
     kv_heads, dv = k.shape[2], v.shape[-1]
     group = heads // kv_heads
-    (q, k, v, q_seg, kv_seg, q_index, kv_index), (bq, bk) = _prepare(
-        q, k, v, q_seg, kv_seg, q_index, kv_index, block_q, block_kv
-    )
+    bq, bk, params = _config("forward", q, k, v, block_q, block_kv)
+    q, k, v, q_seg, kv_seg, q_index, kv_index = _prepare(q, k, v, q_seg, kv_seg, q_index, kv_index, bq, bk)
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
     kernel = functools.partial(_forward_kernel, causal=causal, scale=scale, block_kv=bk, kv_blocks=tk_pad // bk)
     out, lse = pl.pallas_call(
@@ -144,6 +179,7 @@ def forward(
             jax.ShapeDtypeStruct((batch, tq_pad, heads, dv_pad), out_dtype or q.dtype),
             jax.ShapeDtypeStruct((batch, heads, tq_pad), jnp.float32),
         ],
+        compiler_params=params,
         interpret=interpret,
         name="attention_forward",
     )(q, k, v, q_seg, kv_seg, q_index, kv_index)
@@ -171,16 +207,14 @@ def _dkdv_kernel(
         dk = dk + _dot(ds.T, q) * scale
         return dk, dv
 
-    def step(i, carry):
-        window = pl.ds(i * bq, bq)
+    def step(n, carry):  # query block n / group, query head n % group of those that share this key-value head
+        window = pl.ds(lax.div(n, group) * bq, bq)
         q_seg, q_idx = q_seg_ref[window], q_idx_ref[window]
         visible = _visible(_summary(q_seg, q_idx), kv_summary, causal)
-        for head in range(group):  # the query heads that share this key-value head
-            carry = lax.cond(visible, functools.partial(update, window, q_seg, q_idx, head), lambda c: c, carry)
-        return carry
+        return lax.cond(visible, functools.partial(update, window, q_seg, q_idx, lax.rem(n, group)), lambda c: c, carry)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    dk, dv = lax.fori_loop(0, nq, step, init)
+    dk, dv = lax.fori_loop(0, nq * group, step, init)
     dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
 
 
@@ -247,8 +281,10 @@ def backward(
     if dlse is not None:
         delta = delta - dlse
     dtypes = (q.dtype, k.dtype, v.dtype)
-    (q, k, v, q_seg, kv_seg, q_index, kv_index), (bq, bk) = _prepare(
-        q, k, v, q_seg, kv_seg, q_index, kv_index, block_q, block_kv
+    bq, bk, dkdv_params = _config("dkdv", q, k, v, block_q, block_kv)
+    bq_dq, bk_dq, dq_params = _config("dq", q, k, v, block_q, block_kv)
+    q, k, v, q_seg, kv_seg, q_index, kv_index = _prepare(
+        q, k, v, q_seg, kv_seg, q_index, kv_index, max(bq, bq_dq), max(bk, bk_dq)
     )
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
     dout = _pad_to(_pad_to(dout, 1, tq_pad), 3, dv_pad)
@@ -278,26 +314,28 @@ def backward(
             jax.ShapeDtypeStruct(k.shape, grad_dtype or dtypes[1]),
             jax.ShapeDtypeStruct(v.shape, grad_dtype or dtypes[2]),
         ],
+        compiler_params=dkdv_params,
         interpret=interpret,
         name="attention_dkdv",
     )(*operands)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, causal=causal, scale=scale, block_kv=bk, kv_blocks=tk_pad // bk),
-        grid=(batch, heads, tq_pad // bq),
+        functools.partial(_dq_kernel, causal=causal, scale=scale, block_kv=bk_dq, kv_blocks=tk_pad // bk_dq),
+        grid=(batch, heads, tq_pad // bq_dq),
         in_specs=[
-            pl.BlockSpec((None, bq, None, dqk_pad), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, bq_dq, None, dqk_pad), lambda b, h, i: (b, i, h, 0)),
             pl.BlockSpec((None, tk_pad, None, dqk_pad), lambda b, h, i: (b, 0, h // group, 0)),
             pl.BlockSpec((None, tk_pad, None, dv_pad), lambda b, h, i: (b, 0, h // group, 0)),
-            pl.BlockSpec((None, bq, None, dv_pad), lambda b, h, i: (b, i, h, 0)),
-            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
-            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
+            pl.BlockSpec((None, bq_dq, None, dv_pad), lambda b, h, i: (b, i, h, 0)),
+            pl.BlockSpec((None, None, bq_dq), lambda b, h, i: (b, h, i)),
+            pl.BlockSpec((None, None, bq_dq), lambda b, h, i: (b, h, i)),
+            pl.BlockSpec((None, bq_dq), lambda b, h, i: (b, i)),
             pl.BlockSpec((None, tk_pad), lambda b, h, i: (b, 0)),
-            pl.BlockSpec((bq,), lambda b, h, i: (i,)),
+            pl.BlockSpec((bq_dq,), lambda b, h, i: (i,)),
             pl.BlockSpec((tk_pad,), lambda b, h, i: (0,)),
         ],
-        out_specs=pl.BlockSpec((None, bq, None, dqk_pad), lambda b, h, i: (b, i, h, 0)),
+        out_specs=pl.BlockSpec((None, bq_dq, None, dqk_pad), lambda b, h, i: (b, i, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype or dtypes[0]),
+        compiler_params=dq_params,
         interpret=interpret,
         name="attention_dq",
     )(*operands)
