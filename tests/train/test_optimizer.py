@@ -48,4 +48,7 @@ def test_gradient_accumulation_equals_one_batch():
     four = accumulated_grads(model, batch, 8, 4)
     np.testing.assert_allclose(one[1], four[1], rtol=1e-6)
     assert float(one[2]) == float(four[2]) == float(batch["loss_mask"].sum())
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7), one[0], four[0])
+    # float32 sums in another order: an element's error is relative to the size of what was summed (the gradient's
+    # scale), not to the element, which may be near zero after cancellation (seen: 1.8e-7 on -2.7e-3)
+    close = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * float(np.abs(b).max()))
+    jax.tree.map(close, one[0], four[0])
