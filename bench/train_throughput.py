@@ -11,7 +11,7 @@ FLOP/s that MFU is measured against (on CPU: a measured float32 matmul rate).
     --compare context: 8 devices (simulated on CPU); strategy none on fsdp=8 (the baseline), and ring, all_gather
         and ulysses on context=8, all on the same rows (8 heads of 32 so that ulysses splits them).
     --compare kernel: GPU only; parallel.attention_kernel blockwise (the baseline), pallas and cudnn, bfloat16,
-        remat full, no public-API cuDNN path (fused_attention=false). `--doc-len` packs each row with documents.
+        remat full (cudnn runs Pallas for the calls it cannot serve). `--doc-len` packs each row with documents.
 
     PYTHONPATH=. python bench/train_throughput.py
     PYTHONPATH=. python bench/train_throughput.py --models 100m --steps 20 --batch 8 --seq-len 1024
@@ -63,7 +63,7 @@ COMPARISONS = {
 COMMON = {
     "remat": (),
     "context": ("model.num_heads=8", "model.num_kv_heads=8", "model.head_dim=32"),
-    "kernel": ("compute.dtype=bfloat16", "compute.remat_policy=full", "parallel.fused_attention=false"),
+    "kernel": ("compute.dtype=bfloat16", "compute.remat_policy=full"),
 }
 
 
@@ -176,7 +176,7 @@ def prepare(config: Config, doc_len: int = 0) -> Run:
             mesh,
             chunk_size=config.compute.loss_chunk_size,
             accum_steps=config.train.grad_accum_steps,
-            plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform),
+            plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0]),
         )
         batch = random_batch(config, mesh, doc_len)  # random tokens: the sequence layout changes nothing measured
         run = Run(

@@ -62,6 +62,14 @@ class ModelConfig:
         """Blocks that end in a mixture of experts (the ones after the dense blocks)."""
         return self.num_layers - self.num_dense_layers
 
+    @property
+    def attention_dims(self) -> tuple[int, int, int, int]:
+        """What one attention call sees: (query heads, key/value heads, query-key head dim, value head dim); latent
+        attention (kv_lora_rank > 0) expands its keys and values to every head."""
+        if self.kv_lora_rank:
+            return self.num_heads, self.num_heads, self.qk_nope_head_dim + self.qk_rope_head_dim, self.v_head_dim
+        return self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim
+
 
 @dataclass(frozen=True)
 class ComputeConfig:

@@ -1,7 +1,7 @@
 """The parallel plan from a run config: the size checks, `make_plan`, the host-side sequence reorder.
 
 Knows config-shaped objects only: a `parallel` section (context_strategy, load_balance, balance_layout, stripe,
-block_q, block_kv, attention_kernel, fused_attention, scatter_residual, expert_dispatch, expert_capacity_factor,
+block_q, block_kv, attention_kernel, scatter_residual, expert_dispatch, expert_capacity_factor,
 expert_chunk_size)
 and mesh axis sizes (context, ulysses, tensor).
 """
@@ -113,20 +113,25 @@ def expert_dispatch(parallel, platform: str) -> str:
     return dispatch
 
 
-def attention_kernel(parallel, platform: str) -> str:
-    """`parallel.attention_kernel` on devices of `platform`; raises MeshError naming the value when it is unknown
-    or cannot run there (pallas compiles for GPU only)."""
+def attention_kernel(parallel, platform: str, capability: str | None = None) -> str:
+    """`parallel.attention_kernel` on devices of `platform` and CUDA compute `capability` (auto resolved, see
+    parallel.kernels.select); raises MeshError naming the value when it is unknown or cannot run there (pallas and
+    cudnn compile for GPU only, cudnn for Hopper and newer)."""
     try:
-        return kernels.select(parallel.attention_kernel, backend=platform).name
+        return kernels.select(parallel.attention_kernel, backend=platform, capability=capability).name
     except ValueError as error:
         raise MeshError(f"parallel.attention_kernel={parallel.attention_kernel!r}: {error}") from None
 
 
-def make_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> Plan:
-    """The plan for the traced steps on devices of `platform`: strategy, mesh axis ("context"; usp: ("context",
-    "ulysses")), layout for the context size in `sizes`, stripe, the attention kernel and its block sizes, scattered
-    tensor parallelism and the MoE dispatch (`expert_dispatch`). The mesh comes from `jax.set_mesh`."""
+def make_plan(parallel, sizes: Mapping[str, int], device=None) -> Plan:
+    """The plan for the traced steps on devices like `device` (a jax Device of the mesh; None = a CPU): strategy, mesh
+    axis ("context"; usp: ("context", "ulysses")), layout for the context size in `sizes`, stripe, the attention
+    kernel and its block sizes, scattered tensor parallelism and the MoE dispatch (`expert_dispatch`), each resolved
+    for that device's platform, never for the backend of the machine that compiles. The mesh comes from
+    `jax.set_mesh`."""
     strategy = parallel.context_strategy
+    platform = "cpu" if device is None else device.platform
+    capability = getattr(device, "compute_capability", None) if platform == "gpu" else None
     return Plan(
         strategy=strategy,
         axis=("context", "ulysses") if strategy == "usp" else "context",
@@ -134,8 +139,9 @@ def make_plan(parallel, sizes: Mapping[str, int], platform: str = "cpu") -> Plan
         stripe=parallel.stripe,
         block_q=parallel.block_q,
         block_kv=parallel.block_kv,
-        kernel=attention_kernel(parallel, platform),
-        fused=parallel.fused_attention,
+        kernel=attention_kernel(parallel, platform, capability),
+        platform=platform,
+        capability=capability,
         scatter=parallel.scatter_residual,
         expert_dispatch=expert_dispatch(parallel, platform),
         expert_capacity=parallel.expert_capacity_factor,

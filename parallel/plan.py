@@ -23,8 +23,9 @@ class Plan:
     (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
     parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
     block_kv: attention kernel block sizes; kernel: the attention kernel (parallel.kernels.KERNELS), interpret:
-    its Pallas kernels in interpret mode (tests on CPU); fused: use cuDNN on GPU where it applies (parallel/fused.py);
-    scatter: scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
+    its Pallas kernels in interpret mode (tests on CPU); platform / capability: the devices the step compiles for
+    (cpu, gpu, tpu; CUDA compute capability "9.0"), None = JAX's default backend and its devices; scatter:
+    scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
     expert_dispatch: capacity or ragged (parallel/experts.py); expert_capacity: dispatch buffer rows per expert /
     its balanced load; expert_chunk: at most this many tokens per device pass through an MoE block at once
     (0 = all); ring_grad_dtype: the dtype the ring accumulates and sends dK/dV in (RING_GRAD_DTYPES: float32, or
@@ -39,7 +40,8 @@ class Plan:
     block_kv: int = 256
     kernel: str = "blockwise"
     interpret: bool = False
-    fused: bool = True
+    platform: str | None = None
+    capability: str | None = None
     scatter: bool = True
     expert_dispatch: str = "capacity"
     expert_capacity: float = 1.25

@@ -1,5 +1,8 @@
 """Test setup: 8 simulated CPU devices and a quickly compiling CPU backend (set before JAX is imported, inherited
-by the runs tests start), the repository on sys.path; `shared_run` for outputs that several tests read."""
+by the runs tests start), the repository on sys.path; `shared_run` for outputs that several tests read.
+
+JAX runs on CPU, its default backend, with a machine's GPU beside it where it has one (JAX_PLATFORMS=cpu,cuda):
+the GPU tests (tests/parallel/test_gpu_kernels.py) put their arrays on it, and the rest run as everywhere else."""
 
 import fcntl
 import os
@@ -15,7 +18,8 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# an NVIDIA device node, as parallel.targets.gpu_present asks (importing `parallel` would import JAX before this)
+os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if any(pathlib.Path("/dev").glob("nvidia[0-9]*")) else "cpu")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 

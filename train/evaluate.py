@@ -24,13 +24,13 @@ import jax
 import matplotlib
 import numpy as np
 
-from parallel.configure import make_plan
 from parallel.mesh import MeshError, make_mesh
 from train.checkpoint import restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
 from train.errors import CheckpointError, DataError
 from train.hf import MODEL_YAML, TOKENIZER
 from train.needle import TASKS, filler_tokens, model_predictor, needle_grid
+from train.run_plan import run_plan
 from train.state import abstract_model
 from train.tokenizer import make_tokenizer
 
@@ -120,7 +120,7 @@ def evaluate(
     filler = filler_tokens(config, tokenizer, max(lengths))
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
-    plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
+    plan = run_plan(config, mesh)
     graphdef, abstract = abstract_model(config.model, mesh, compute=config.compute)
     state = restore_model_params(target.checkpoint, abstract)
     predict = functools.partial(model_predictor(graphdef, mesh, plan), state)

@@ -21,7 +21,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
-from parallel.configure import make_plan, to_layout
+from parallel.configure import to_layout
 from parallel.mesh import batch_sharding, make_mesh, process_rows
 from train.checkpoint import Checkpointer, has_checkpoints, restore_model_params
 from train.config import Config, ConfigError, check_built_mesh, to_dict
@@ -32,6 +32,7 @@ from train.lock import run_directory_lock
 from train.metrics import MetricsLogger
 from train.needle import needle_evaluation
 from train.optimizer import learning_rate_schedule, make_optimizer
+from train.run_plan import run_plan
 from train.sample import generate
 from train.sources import open_source
 from train.state import TrainState, abstract_state, create_state
@@ -113,7 +114,7 @@ def run(config: Config) -> dict:
     }
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
-    plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0].platform)
+    plan = run_plan(config, mesh)
     needle_scores = needle_evaluation(config, mesh, plan, tokenizer, source) if t.needle_lengths else None
     check_run_directory(output, config)
     tx = make_optimizer(config.optimizer, t.steps)

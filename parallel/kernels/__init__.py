@@ -31,25 +31,32 @@ class Kernel(NamedTuple):
     backward: Callable
 
 
-def select(kernel: str = "auto", *, interpret: bool = False, backend: str | None = None) -> Kernel:
-    """The kernel named `kernel` for `backend` (default: JAX's). auto = blockwise on every backend for now: the
-    Pallas and cuDNN kernels are opt-in on GPU until they have run on one (their lowerings are untested).
-    `interpret=True` runs the Pallas kernels in interpret mode (any backend). cudnn runs the blockwise kernel for
-    calls whose static global indices it cannot mask (cudnn.Unservable). Raises ValueError naming the kernel when
-    it is unknown or cannot run on the backend."""
+def select(
+    kernel: str = "auto", *, interpret: bool = False, backend: str | None = None, capability: str | None = None
+) -> Kernel:
+    """The kernel named `kernel` for devices of platform `backend` (default: JAX's) and CUDA compute `capability`
+    ("9.0"; default: the first GPU's, see hopper). auto = on GPU cuDNN from Hopper (9.0) on, else
+    Pallas; blockwise elsewhere. cudnn runs `general_kernel`'s kernel for the calls it cannot serve
+    (cudnn.Unservable): Pallas on GPU. `interpret=True` runs the Pallas kernels in interpret mode (any backend).
+    Raises ValueError naming the kernel when it is unknown or cannot run on the backend."""
     backend = backend or jax.default_backend()
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
-    if kernel in ("auto", "blockwise"):
-        return Kernel("blockwise", blockwise.forward, blockwise.backward)
+    if kernel == "auto":
+        kernel = "blockwise" if backend != "gpu" else "cudnn" if hopper(backend, capability) else "pallas"
+    if kernel == "blockwise":
+        return BLOCKWISE
     if kernel == "cudnn":
-        if backend != "gpu":
+        if backend != "gpu" or not hopper(backend, capability):
+            where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
             raise ValueError(
-                f"attention kernel 'cudnn' runs on GPU (cuDNN), not {backend}; choose blockwise or auto there"
+                f"attention kernel 'cudnn' runs on GPUs of compute capability 9.0 (Hopper) or newer, not {where}; "
+                f"choose pallas (GPU), blockwise or auto"
             )
-        return Kernel(
-            "cudnn", _or_blockwise(cudnn.forward, blockwise.forward), _or_blockwise(cudnn.backward, blockwise.backward)
-        )
+        general = select(general_kernel("cudnn", backend), interpret=interpret, backend=backend)
+        forward = functools.partial(cudnn.forward, general=general.forward)
+        backward = functools.partial(cudnn.backward, general=general.backward)
+        return Kernel("cudnn", _or(forward, general.forward), _or(backward, general.backward))
     if backend != "gpu" and not interpret:
         raise ValueError(
             f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "
@@ -62,7 +69,31 @@ def select(kernel: str = "auto", *, interpret: bool = False, backend: str | None
     )
 
 
-def _or_blockwise(kernel: Callable, fallback: Callable) -> Callable:
+BLOCKWISE = Kernel("blockwise", blockwise.forward, blockwise.backward)
+
+
+def general_kernel(kernel: str, backend: str | None = None) -> str:
+    """The kernel that runs the calls `kernel` cannot serve on devices of platform `backend` (None: JAX's default):
+    for cudnn Pallas on GPU (blockwise elsewhere, where only tests run cudnn, on stand-ins); every other kernel
+    serves every call itself."""
+    if kernel != "cudnn":
+        return kernel
+    return "pallas" if (backend or jax.default_backend()) == "gpu" else "blockwise"
+
+
+def hopper(backend: str, capability: str | None) -> bool:
+    """Whether GPU compute `capability` (None: the first GPU's, when JAX has a GPU backend) is 9.0 or newer."""
+    if backend != "gpu":
+        return False
+    if capability is None:
+        try:
+            capability = jax.devices("gpu")[0].compute_capability
+        except RuntimeError:  # no GPU backend in this process
+            return False
+    return tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)
+
+
+def _or(kernel: Callable, fallback: Callable) -> Callable:
     """`kernel`, or `fallback` (the same arguments) for a call it raises cudnn.Unservable on."""
 
     @functools.wraps(kernel)
@@ -87,16 +118,18 @@ def attention(
     kv_index=None,
     causal=True,
     scale=None,
-    kernel="auto",
+    kernel: str | Kernel = "auto",
     interpret=False,
+    backend=None,
     block_q=256,
     block_kv=256,
 ):
     """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
-    (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).
+        (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).
 
-    segment_ids: [batch, t] int32 (0 = padding; None = one document); index: [t] int32 global token index
-    (None = 0..t-1). A query with no visible key gets zeros and lse = -inf. `kernel`: one of KERNELS.
+        segment_ids: [batch, t] int32 (0 = padding; None = one document); index: [t] int32 global token index
+        (None = 0..t-1). A query with no visible key gets zeros and lse = -inf. `kernel`: a Kernel, or one of KERNELS
+    selected for devices of platform `backend` (None: JAX's default; see select).
     """
     batch, tq, heads, dqk = q.shape
     tk, kv_heads = k.shape[1], k.shape[2]
@@ -110,7 +143,7 @@ def attention(
     known = tuple(cudnn.known_at_trace_time(index) for index in indices)
     static = dict(causal=causal, scale=float(dqk**-0.5 if scale is None else scale), block_q=block_q, block_kv=block_kv)
     segment_ids = (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
-    impl = select(kernel, interpret=interpret)
+    impl = kernel if isinstance(kernel, Kernel) else select(kernel, interpret=interpret, backend=backend)
     if all(index is not None for index in known):
         return _attention(impl, static, tuple(index.astype(np.int32) for index in known), q, k, v, *segment_ids)
     return _attention(impl, static, None, q, k, v, *segment_ids, *(jnp.asarray(i, jnp.int32) for i in indices))

@@ -292,14 +292,20 @@ def _params(kind: int, scale: float) -> dict:
 
 
 def _check(q, dv: int, primitives: Primitives):
-    """q [b, tq, h, dqk], value head dim dv: raises ValueError for inputs the real primitives reject; on a GPU,
-    JAX's own flash-attention check of the padded operands."""
+    """q [b, tq, h, dqk], value head dim dv: raises Unservable for inputs the real primitives reject (not 16-bit, or
+    a padded head width past 256, the dlse columns included); where a GPU is present, JAX's own flash-attention
+    check of the padded operands."""
     if primitives is not CUDNN:
         return
-    if q.dtype not in (jnp.bfloat16, jnp.float16):
-        raise ValueError(f"attention kernel 'cudnn' takes bfloat16 or float16 inputs, not {q.dtype}")
+    width = _width(q.shape[-1], dv, 2)
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or width > 256:
+        raise Unservable(
+            f"attention kernel 'cudnn' takes bfloat16 or float16 inputs of one padded head width <= 256, not "
+            f"{q.dtype} of width {width} (q/k head dim {q.shape[-1]}, v head dim {dv}, 2 columns for the lse "
+            f"cotangent)"
+        )
     if jax.default_backend() == "gpu":
-        padded = jax.ShapeDtypeStruct((*q.shape[:3], _width(q.shape[-1], dv, 2)), q.dtype)
+        padded = jax.ShapeDtypeStruct((*q.shape[:3], width), q.dtype)
         version = fa.check_cudnn_version()
         fa.check_is_flash_attention(padded, padded, padded, fa.AttentionLayout.BTNH.value, version, False, True, True)
 
@@ -350,20 +356,21 @@ def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scal
 
 def forward(
     q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, out_dtype=None,
-    max_segments=MAX_SEGMENTS, primitives=CUDNN,
+    max_segments=MAX_SEGMENTS, primitives=CUDNN, general=blockwise.forward,
 ):  # fmt: skip
     """parallel.blockwise.forward's arguments and results: (out [b, tq, h, dv] in `out_dtype` (default q's), lse
     [b, tq, h] float32). Raises Unservable for static indices cuDNN cannot mask (see call_kind); traced ones that
-    turn out general, and rows with more than max_segments segments, run the blockwise kernel."""
+    turn out general, and rows with more than max_segments segments, run `general` (a forward of the same
+    signature: the blockwise kernel, or Pallas on GPU)."""
     max_segments = max(2, max_segments)
     kind = call_kind(q_index, kv_index, causal)
     _check(q, v.shape[-1], primitives)
     served = functools.partial(_served_forward, scale=scale, max_segments=max_segments, primitives=primitives)
 
-    def general(q, k, v, q_seg, kv_seg):
-        """The blockwise kernel on the same operands: (out [b, tq, h, dv], lse [b, tq, h])."""
+    def general_call(q, k, v, q_seg, kv_seg):
+        """The general kernel on the same operands: (out [b, tq, h, dv], lse [b, tq, h])."""
         static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
-        return blockwise.forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static, out_dtype=q.dtype)
+        return general(q, k, v, q_seg, kv_seg, q_index, kv_index, **static, out_dtype=q.dtype)
 
     def halves(q, k, v, q_seg, kv_seg):
         """The all-visible quarters, merged: (out [b, tq, h, dv], lse [b, tq, h])."""
@@ -381,27 +388,27 @@ def forward(
         return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
 
     by_kind = {DIAGONAL: functools.partial(served, DIAGONAL), ALL_VISIBLE: functools.partial(served, ALL_VISIBLE)}
-    by_kind |= {GENERAL: general, HALVES: halves}
+    by_kind |= {GENERAL: general_call, HALVES: halves}
     out, lse = _switch(kind, q_index, kv_index, q_seg, kv_seg, causal, max_segments, by_kind, q, k, v, q_seg, kv_seg)
     return out.astype(out_dtype or q.dtype), lse
 
 
 def backward(
     q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *, causal, scale, block_q, block_kv,
-    grad_dtype=None, accumulate=None, max_segments=MAX_SEGMENTS, primitives=CUDNN,
+    grad_dtype=None, accumulate=None, max_segments=MAX_SEGMENTS, primitives=CUDNN, general=blockwise.backward,
 ):  # fmt: skip
     """parallel.blockwise.backward's arguments and results: (dq, dk, dv) given the final out / lse and their
     cotangents (dlse may be None), in `grad_dtype` (default: q, k, v's dtypes), or added into `accumulate` sums in
-    their dtypes. Raises Unservable as `forward` does."""
+    their dtypes. Raises Unservable as `forward` does; `general` as in `forward` (a backward)."""
     max_segments = max(2, max_segments)
     kind = call_kind(q_index, kv_index, causal)
     _check(q, v.shape[-1], primitives)
     served = functools.partial(_served_backward, scale=scale, max_segments=max_segments, primitives=primitives)
 
-    def general(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
-        """The blockwise kernel on the same operands: float32 (dq, dk, dv)."""
+    def general_call(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
+        """The general kernel on the same operands: float32 (dq, dk, dv)."""
         static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, grad_dtype=jnp.float32)
-        return blockwise.backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, **static)
+        return general(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, **static)
 
     def kind_of(kind):
         """The served backward of `kind` as a switch branch (operands as `general`'s)."""
@@ -419,7 +426,7 @@ def backward(
                 grads = [grads[0].at[:, qs].add(dq), grads[1].at[:, ks].add(dk), grads[2].at[:, ks].add(dv_)]
         return tuple(grads)
 
-    by_kind = {DIAGONAL: kind_of(DIAGONAL), ALL_VISIBLE: kind_of(ALL_VISIBLE), GENERAL: general, HALVES: halves}
+    by_kind = {DIAGONAL: kind_of(DIAGONAL), ALL_VISIBLE: kind_of(ALL_VISIBLE), GENERAL: general_call, HALVES: halves}
     operands = (q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
     grads = _switch(kind, q_index, kv_index, q_seg, kv_seg, causal, max_segments, by_kind, *operands)
     if accumulate is not None:

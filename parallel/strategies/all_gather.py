@@ -6,8 +6,8 @@ into one collective would copy the whole gathered sequence twice more (stack, th
 Under cuDNN (whose masks know segments and top-left causality, not global indices) the gathered K/V are put in
 original order and each query chunk of the local piece (one, or two in dual_chunk) makes two calls merged by
 log-sum-exp: its own keys (the causal diagonal) and every key before the chunk, later keys masked as padding
-(all-visible). Other layouts (striped: many chunks per piece) run the blockwise kernel, which cuDNN would fall back
-to for every call anyway.
+(all-visible). Other layouts (striped: many chunks per piece) run cuDNN's general kernel (Pallas on GPU), which it
+would fall back to for every call anyway.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallel import kernels
 from parallel.lse_merge import merge
 from parallel.reorder import from_balanced
 from parallel.strategies.common import axis_shards, global_index, kernel, local_piece, run_sharded, wants_original_order
@@ -29,7 +30,7 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     index = global_index(q.shape[1], plan, shards)
     cudnn, chunked = wants_original_order(plan), plan.layout in ("contiguous", "dual_chunk") or shards == 1
     if cudnn and not chunked:  # striped: no call cuDNN serves, so compile none
-        plan = dataclasses.replace(plan, kernel="blockwise")
+        plan = dataclasses.replace(plan, kernel=kernels.general_kernel("cudnn", plan.platform))
     by_chunks = cudnn and chunked
     static = dict(causal=causal, scale=scale, plan=plan)
 

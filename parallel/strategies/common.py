@@ -63,17 +63,21 @@ def kernel(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, plan):
         kv_index=kv_index,
         causal=causal,
         scale=scale,
-        kernel=plan.kernel,
-        interpret=plan.interpret,
+        kernel=plan_kernel(plan),
         block_q=plan.block_q,
         block_kv=plan.block_kv,
     )
 
 
+def plan_kernel(plan) -> kernels.Kernel:
+    """The plan's attention kernel for the devices it compiles for."""
+    return kernels.select(plan.kernel, interpret=plan.interpret, backend=plan.platform, capability=plan.capability)
+
+
 def wants_original_order(plan) -> bool:
     """Whether the plan's kernel needs a sequence in original token order: cuDNN's packed metadata describes each
     document as one run of increasing indices (parallel/kernels/cudnn.py); the other kernels take any order."""
-    return kernels.select(plan.kernel, interpret=plan.interpret).name == "cudnn"
+    return plan_kernel(plan).name == "cudnn"
 
 
 def whole_sequence(q, k, v, seg, *, shards: int, causal, scale, plan):

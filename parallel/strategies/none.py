@@ -1,17 +1,14 @@
 """`none`: the kernel on the whole sequence (no context parallelism), on each device's batch rows and heads
-(shard_map, so the partitioner never gathers them); cuDNN where `parallel.fused` allows."""
+(shard_map, so the partitioner never gathers them)."""
 
 from __future__ import annotations
 
-from parallel import fused
 from parallel.strategies.common import axis_shards, run_sharded, whole_sequence
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
     shards = 1 if plan.layout == "contiguous" else axis_shards(mesh, plan.axis)
-    if fused.usable(q, k, v, segment_ids=segment_ids, contiguous=shards == 1, enabled=plan.fused):
-        return fused.attention(q, k, v, causal=causal, scale=scale)
 
     def local(q, k, v, segment_ids):
         return whole_sequence(q, k, v, segment_ids, shards=shards, causal=causal, scale=scale, plan=plan)

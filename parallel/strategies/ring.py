@@ -21,9 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallel import kernels
 from parallel.lse_merge import merge
-from parallel.strategies.common import axis_shards, global_index, run_sharded
+from parallel.strategies.common import axis_shards, global_index, plan_kernel, run_sharded
 
 
 def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, scale: float, plan):
@@ -33,7 +32,7 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
     n = q.shape[1]
     table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
     blocks = dict(scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
-    impl = kernels.select(plan.kernel, interpret=plan.interpret)
+    impl = plan_kernel(plan)
 
     def grad_dtype(x):
         return jnp.float32 if plan.ring_grad_dtype == "float32" else x.dtype

@@ -12,7 +12,6 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from parallel import fused
 from parallel.strategies.common import axis_shards, run_sharded, whole_sequence
 
 
@@ -52,14 +51,9 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     check_heads(q.shape[2], k.shape[2], shards, axis)
-    use_fused = fused.usable(
-        q, k, v, segment_ids=segment_ids, contiguous=plan.layout == "contiguous" or shards == 1, enabled=plan.fused
-    )
 
     def local(q, k, v, seg):
         q, k, v, seg = scatter_heads(q, k, v, seg, axis, shards)
-        if use_fused:
-            return gather_heads(fused.attention(q, k, v, causal=causal, scale=scale), axis)
         return gather_heads(whole_sequence(q, k, v, seg, shards=shards, causal=causal, scale=scale, plan=plan), axis)
 
     return run_sharded(local, mesh, axis, q, k, v, segment_ids)

@@ -9,7 +9,6 @@ in no segment and stats entries no token fills come back NaN, like the real kern
 """
 
 import functools
-import types
 
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as fa
@@ -129,13 +128,14 @@ def serve_cudnn_with_standin(monkeypatch):
     every call (static calls it cannot serve raise cudnn.Unservable)."""
     select = kernels.select
 
-    def standin_select(kernel="auto", *, interpret=False, backend=None):
+    def standin_select(kernel="auto", *, interpret=False, backend=None, capability=None):
         if kernel != "cudnn":
-            return select(kernel, interpret=interpret, backend=backend)
+            return select(kernel, interpret=interpret, backend=backend, capability=capability)
         standin = dict(primitives=STANDIN, max_segments=16)  # as many documents as a test row has
-        forward, backward = (functools.partial(f, **standin) for f in (cudnn.forward, cudnn.backward))
+        forward, backward = (
+            functools.partial(f, **standin, general=_poisoned(fallback))
+            for f, fallback in ((cudnn.forward, blockwise.forward), (cudnn.backward, blockwise.backward))
+        )
         return kernels.Kernel("cudnn", forward, backward)
 
     monkeypatch.setattr(kernels, "select", standin_select)
-    poisoned = types.SimpleNamespace(forward=_poisoned(blockwise.forward), backward=_poisoned(blockwise.backward))
-    monkeypatch.setattr(cudnn, "blockwise", poisoned)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parallel import blockwise, kernels
-from parallel.kernels import cudnn
+from parallel.kernels import cudnn, pallas
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments
 from tests.parallel.cudnn_standin import STANDIN
@@ -295,14 +295,19 @@ def test_which_calls_and_backends_it_serves():
     args = (q, k, v, one, seg)
     got = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, *args, qi, ki, True))(np.array([20]), np.arange(LENGTH))
     assert_same(got, run(blockwise.forward, blockwise.backward, *args, np.array([20]), np.arange(LENGTH), True))
-    with pytest.raises(ValueError, match=r"attention kernel 'cudnn' runs on GPU \(cuDNN\), not cpu"):
+    with pytest.raises(ValueError, match=r"attention kernel 'cudnn' runs on GPUs of compute capability 9.0 .*not cpu"):
         kernels.select("cudnn", backend="cpu")
-    # a static general call through the selected kernel runs the blockwise kernel (no cuDNN call is traced)
-    impl = kernels.select("cudnn", backend="gpu")
+    # a static general call through the selected kernel runs the Pallas kernel on GPU (no cuDNN call is traced)
+    impl = kernels.select("cudnn", backend="gpu", capability="9.0", interpret=True)
     q, k, v = (x.astype(jnp.bfloat16) for x in inputs(*HEADS["gqa"]))
     seg = jnp.ones((2, LENGTH), jnp.int32)
     args = (q, k, v, seg, seg, np.arange(LENGTH), np.arange(LENGTH) + 8)
-    got, want = impl.forward(*args, causal=True, **STATIC), blockwise.forward(*args, causal=True, **STATIC)
+    got = impl.forward(*args, causal=True, **STATIC)
+    want = pallas.forward(*args, causal=True, **STATIC, interpret=True)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
-    with pytest.raises(ValueError, match="bfloat16 or float16 inputs, not float32"):
+    # inputs the real primitives reject are unservable: float32, or a padded head width past 256
+    with pytest.raises(cudnn.Unservable, match=r"bfloat16 or float16 inputs .*, not float32"):
         cudnn.forward(*inputs(*HEADS["mha"]), seg, seg, args[5], args[5], causal=True, **STATIC)
+    wide = (x.astype(jnp.bfloat16) for x in inputs(4, 4, 256, 256))
+    with pytest.raises(cudnn.Unservable, match="width 264"):
+        cudnn.forward(*wide, seg, seg, args[5], args[5], causal=True, **STATIC)

@@ -19,7 +19,17 @@ from parallel import kernels
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
 
-pytestmark = pytest.mark.skipif(jax.default_backend() != "gpu", reason="the real kernels need a GPU")
+
+def first_gpu():
+    """The machine's first GPU (tests/conftest.py starts JAX on cpu,cuda where there is one), else None."""
+    try:
+        return jax.devices("gpu")[0]
+    except RuntimeError:
+        return None
+
+
+GPU = first_gpu()
+pytestmark = pytest.mark.skipif(GPU is None, reason="the real kernels need a GPU")
 
 HEADS = {"mha": (8, 8, 64, 64), "gqa": (8, 2, 128, 128), "mla": (8, 8, 192, 128)}  # heads, kv heads, dqk, dv
 PIECE = 512  # tokens per call side; a ring's pieces are 4 of these
@@ -53,7 +63,7 @@ def outputs_and_grads(kernel: str, q, k, v, q_seg, kv_seg, q_index, kv_index, ca
 
     def loss(q, k, v, q_index, kv_index):
         options = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=q_index, kv_index=kv_index)
-        out, lse = kernels.attention(q, k, v, causal=causal, kernel=kernel, **options, **BLOCKS)
+        out, lse = kernels.attention(q, k, v, causal=causal, kernel=kernel, backend="gpu", **options, **BLOCKS)
         out32 = out.astype(jnp.float32)
         return jnp.sum(out32 * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse), (out32, lse)
 
@@ -73,7 +83,13 @@ def test_kernel_equals_blockwise_on_gpu(kernel, heads, kind):
     h, hkv, dqk, dv = HEADS[heads]
     rng = np.random.default_rng(0)
     shapes = [(2, PIECE, h, dqk), (2, PIECE, hkv, dqk), (2, PIECE, hkv, dv)]
-    q, k, v = (jnp.asarray(rng.normal(size=s), jnp.bfloat16) for s in shapes)
+    q, k, v = (jax.device_put(jnp.asarray(rng.normal(size=s), jnp.bfloat16), GPU) for s in shapes)
+    with jax.default_device(GPU):
+        compare_on_gpu(kernel, heads, kind, q, k, v)
+
+
+def compare_on_gpu(kernel, heads, kind, q, k, v):
+    """The kernel against the blockwise kernel for packed and unpacked rows, static and traced indices."""
     for packed, traced in itertools.product([True, False], [False, True]):
         label = f"{kernel} {heads} {kind} packed={packed} traced={traced}"
         case = call(kind, packed)

@@ -95,8 +95,12 @@ def test_backward_adds_into_running_sums(name):
 
 
 def test_each_backend_gets_its_kernel():
-    assert kernels.select("auto", backend="gpu").name == "blockwise"  # until Pallas has run on a GPU
+    assert kernels.select("auto", backend="gpu", capability="9.0").name == "cudnn"  # Hopper and newer
+    assert kernels.select("auto", backend="gpu", capability="10.0").name == "cudnn"
+    assert kernels.select("auto", backend="gpu", capability="8.0").name == "pallas"
     assert kernels.select("auto", backend="cpu").name == "blockwise"
+    assert kernels.general_kernel("cudnn", "gpu") == "pallas"
+    assert kernels.general_kernel("cudnn", "cpu") == "blockwise"  # where only stand-ins run it
     assert kernels.select("pallas", backend="gpu").name == "pallas"
     assert kernels.select("pallas", backend="cpu", interpret=True).name == "pallas"
     with pytest.raises(ValueError, match=r"attention kernel .pallas. compiles for GPU .*, not cpu"):

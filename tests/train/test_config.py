@@ -174,3 +174,11 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         assert list(CHOICES[key]) == list(registry), key
     for name in rope.SCALINGS:  # each scaling type is one the rope layer computes
         rope.inverse_frequencies(8, 1e4, rope.RopeScalingConfig(type=name, factor=2.0))
+
+
+def test_a_retired_key_is_ignored_with_a_warning(tmp_path):
+    """A run directory's config.yaml from before parallel.fused_attention was folded into the kernel choice."""
+    path = write(tmp_path, "old.yaml", "parallel:\n  fused_attention: true\n  context_strategy: none\n")
+    with pytest.warns(UserWarning, match="'parallel.fused_attention' is ignored: .*attention_kernel=cudnn"):
+        config = load_config(path)
+    assert config.parallel.attention_kernel == "auto"

@@ -4,11 +4,13 @@ the plan and host reorder follow the config; sizes that do not fit stop with an 
 
 import json
 import pathlib
+import types
 
 import jax
 import numpy as np
 import pytest
 
+from parallel import targets
 from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import MeshError
 from parallel.plan import Plan
@@ -22,7 +24,7 @@ from tests.train.step_reference import (
     packed_batch,
     token_losses,
 )
-from train.__main__ import GPU_XLA_FLAGS, default_xla_flags
+from train.__main__ import GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, default_environment
 from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
 from train.loop import run
 
@@ -139,24 +141,32 @@ def test_eval_loss_by_position_equals_direct_token_losses(host_state, mesh_confi
         (
             ParallelConfig(context_strategy="ring"),
             {"context": 4},
-            Plan(strategy="ring", axis="context", layout="dual_chunk", stripe=1),
+            Plan(strategy="ring", axis="context", layout="dual_chunk", stripe=1, platform="cpu"),
         ),
         (
             ParallelConfig(context_strategy="usp", balance_layout="striped", stripe=4, block_q=64, block_kv=128),
             {"context": 2, "ulysses": 4},
-            Plan(strategy="usp", axis=("context", "ulysses"), layout="striped", stripe=4, block_q=64, block_kv=128),
+            Plan(
+                strategy="usp",
+                axis=("context", "ulysses"),
+                layout="striped",
+                stripe=4,
+                block_q=64,
+                block_kv=128,
+                platform="cpu",
+            ),
         ),
         (
             ParallelConfig(context_strategy="ring", load_balance=False),
             {"context": 4},
-            Plan(strategy="ring", layout="contiguous"),
+            Plan(strategy="ring", layout="contiguous", platform="cpu"),
         ),
         (
             ParallelConfig(context_strategy="usp"),
             {"context": 1, "ulysses": 8},
-            Plan(strategy="usp", axis=("context", "ulysses"), layout="contiguous"),
+            Plan(strategy="usp", axis=("context", "ulysses"), layout="contiguous", platform="cpu"),
         ),
-        (ParallelConfig(), {"context": 1}, Plan()),
+        (ParallelConfig(), {"context": 1}, Plan(platform="cpu")),
     ],
 )
 def test_plan_from_config(parallel_config, sizes, expected):
@@ -164,13 +174,20 @@ def test_plan_from_config(parallel_config, sizes, expected):
 
 
 def test_attention_kernel_by_platform():
-    assert make_plan(ParallelConfig(), {}, "gpu").kernel == "blockwise"
-    assert make_plan(ParallelConfig(attention_kernel="pallas"), {}, "gpu").kernel == "pallas"
+    """Resolved for the mesh's devices (platform and CUDA compute capability), not for the compiling machine."""
+    hopper, ampere = (types.SimpleNamespace(platform="gpu", compute_capability=c) for c in ("9.0", "8.0"))
+    assert make_plan(ParallelConfig(), {}).kernel == "blockwise"
+    assert make_plan(ParallelConfig(), {}, hopper).kernel == "cudnn"
+    assert make_plan(ParallelConfig(), {}, ampere).kernel == "pallas"
+    plan = make_plan(ParallelConfig(attention_kernel="pallas"), {}, hopper)
+    assert (plan.kernel, plan.platform, plan.capability) == ("pallas", "gpu", "9.0")
     with pytest.raises(MeshError, match=r"attention_kernel='pallas': attention kernel 'pallas' compiles for GPU"):
-        make_plan(ParallelConfig(attention_kernel="pallas"), {}, "cpu")
-    assert make_plan(ParallelConfig(attention_kernel="cudnn"), {}, "gpu").kernel == "cudnn"
-    with pytest.raises(MeshError, match=r"attention_kernel='cudnn': attention kernel 'cudnn' runs on GPU \(cuDNN\)"):
-        make_plan(ParallelConfig(attention_kernel="cudnn"), {}, "cpu")
+        make_plan(ParallelConfig(attention_kernel="pallas"), {})
+    assert make_plan(ParallelConfig(attention_kernel="cudnn"), {}, hopper).kernel == "cudnn"
+    with pytest.raises(MeshError, match=r"attention_kernel='cudnn': .* compute capability 9.0 .*, not cpu"):
+        make_plan(ParallelConfig(attention_kernel="cudnn"), {})
+    with pytest.raises(MeshError, match=r"'cudnn' runs on GPUs .*, not a GPU of compute capability 8.0"):
+        make_plan(ParallelConfig(attention_kernel="cudnn"), {}, ampere)
 
 
 def test_ring_grad_dtype_reaches_the_plan():
@@ -230,10 +247,20 @@ def test_fitting_sizes_pass():
     )
 
 
-def test_gpu_overlap_flags_unless_xla_flags_is_set():
+def test_gpu_environment_unless_set(monkeypatch):
+    """The overlap flags and XLA's share of GPU memory, unless the user set them; JAX_PLATFORMS=cpu only where the
+    CUDA plugin is installed on a machine without a GPU."""
+    monkeypatch.setattr(targets, "plugin_installed", lambda: False)
     environ = {}
-    default_xla_flags(environ)
-    assert environ == {"XLA_FLAGS": GPU_XLA_FLAGS} and "latency_hiding_scheduler=true" in GPU_XLA_FLAGS
-    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
-    default_xla_flags(environ)
-    assert environ == {"XLA_FLAGS": "--xla_dump_to=/tmp/x"}
+    default_environment(environ)
+    assert environ == {"XLA_FLAGS": GPU_XLA_FLAGS, "XLA_PYTHON_CLIENT_MEM_FRACTION": GPU_MEMORY_FRACTION}
+    assert "latency_hiding_scheduler=true" in GPU_XLA_FLAGS
+    environ = {"XLA_FLAGS": "--xla_dump_to=/tmp/x", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".8"}
+    default_environment(environ)
+    assert environ == {"XLA_FLAGS": "--xla_dump_to=/tmp/x", "XLA_PYTHON_CLIENT_MEM_FRACTION": ".8"}
+    monkeypatch.setattr(targets, "plugin_installed", lambda: True)
+    for gpu, platforms in ((False, "cpu"), (True, None)):
+        monkeypatch.setattr(targets, "gpu_present", lambda gpu=gpu: gpu)
+        environ = {}
+        default_environment(environ)
+        assert environ.get("JAX_PLATFORMS") == platforms

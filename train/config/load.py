@@ -10,6 +10,7 @@ import dataclasses
 import pathlib
 import types
 import typing
+import warnings
 
 import yaml
 
@@ -94,8 +95,15 @@ def load_config(path: str | pathlib.Path | None, overrides: typing.Sequence[str]
     return config
 
 
+# keys that did something once and no longer do: read with a warning (a run directory's config.yaml may hold them)
+RETIRED = {
+    "parallel.fused_attention": "cuDNN attention is parallel.attention_kernel=cudnn, the default (auto) on Hopper GPUs",
+}
+
+
 def from_dict(cls, raw: typing.Any, prefix: str):
-    """Builds dataclass `cls` from a mapping, checking every key and type."""
+    """Builds dataclass `cls` from a mapping, checking every key and type (a RETIRED key is dropped, with a
+    warning)."""
     where = prefix.rstrip(".") or "config"
     if not isinstance(raw, dict):
         raise ConfigError(f"{where} must be a mapping, got {raw!r}")
@@ -103,6 +111,9 @@ def from_dict(cls, raw: typing.Any, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in raw.items():
+        if f"{prefix}{key}" in RETIRED:
+            warnings.warn(f"config key '{prefix}{key}' is ignored: {RETIRED[f'{prefix}{key}']}", stacklevel=2)
+            continue
         if key not in names:
             raise ConfigError(f"unknown key '{prefix}{key}'; allowed keys in {where}: {', '.join(names)}")
         kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")

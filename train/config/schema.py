@@ -124,8 +124,7 @@ class ParallelConfig:
     block_q: int = 256  # attention kernel block sizes (bench/README.md: 256 beats 512 on CPU in time and memory)
     block_kv: int = 256
     ring_grad_dtype: str = "float32"  # float32 | compute: dK/dV summed and sent around the ring in the compute dtype
-    attention_kernel: str = "auto"  # auto (blockwise) | pallas | cudnn (GPU; opt-in until run on one) | blockwise
-    fused_attention: bool = True  # cuDNN flash attention on GPU where it has the same semantics
+    attention_kernel: str = "auto"  # auto (GPU: cudnn on Hopper+, else pallas; elsewhere blockwise) | pallas | cudnn
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
     expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices
     expert_capacity_factor: float = 1.25  # expert parallelism: dispatch buffer rows per expert / its balanced load
