@@ -1,7 +1,8 @@
 """`python -m train CONFIG [section.key=value ...]`: train (or resume) as configured.
 
-`--plan` trains nothing: it compiles the train step on abstract shapes for simulated CPU devices and prints the
-memory per device (see train/memory.py)."""
+`--plan` trains nothing: it compiles the train step on abstract shapes and prints the memory per device (see
+train/memory.py), for simulated CPU devices or, with `--target h100|h200`, for compile-only GPUs through XLA's GPU
+compiler (parallel/targets.py; needs the `gpu` extra, no GPU)."""
 
 from __future__ import annotations
 
@@ -14,21 +15,31 @@ import sys
 import jax  # importing starts no backend: --plan can still choose the devices
 
 from models.remat import RematError, check_policy
+from parallel import targets
 from parallel.mesh import AXES, MeshError
+from parallel.targets import TargetError
 from train import distributed
 from train.config import ConfigError, load_config
 from train.errors import CheckpointError, DataError, NonFiniteLoss
-from train.memory import format_plan, parse_size, plan_memory
+from train.memory import format_plan, format_size, parse_size, plan_memory
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
 # XLA flags for GPU runs unless XLA_FLAGS is set: the latency-hiding scheduler lets a ring step's permute (and the
 # FSDP gathers) overlap compute. Other backends accept and ignore them.
 GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
+# Share of a GPU's memory XLA may take unless XLA_PYTHON_CLIENT_MEM_FRACTION is set (JAX's own default is 0.75);
+# the rest is left to NCCL, cuDNN workspaces and the CUDA context. A GPU plan's verdict uses the same share.
+GPU_MEMORY_FRACTION = "0.9"
 
 
-def default_xla_flags(environ=os.environ) -> None:
-    """Sets XLA_FLAGS to GPU_XLA_FLAGS when the user has not set it (before any backend starts)."""
+def default_environment(environ=os.environ) -> None:
+    """Before any backend starts: XLA_FLAGS = GPU_XLA_FLAGS and XLA_PYTHON_CLIENT_MEM_FRACTION = GPU_MEMORY_FRACTION
+    unless set; and on a machine with JAX's CUDA plugin but no GPU, JAX_PLATFORMS=cpu unless set (else every JAX
+    start prints the plugin's failed cuInit)."""
     environ.setdefault("XLA_FLAGS", GPU_XLA_FLAGS)
+    environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
+    if targets.plugin_installed() and not targets.gpu_present():
+        environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def device_memory(text: str) -> int:
@@ -64,16 +75,35 @@ def simulate_cpu_devices(count: int) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def plan(config, devices: int | None, memory: int | None) -> int:
-    """Prints the memory plan; returns DOES_NOT_FIT when it exceeds `memory`, else 0."""
+def usable_gpu_memory(target: targets.Target, environ=os.environ) -> int:
+    """Bytes of the target's memory a run lets XLA take (XLA_PYTHON_CLIENT_MEM_FRACTION, see default_environment)."""
+    return int(target.memory * float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)))
+
+
+def plan(config, devices: int | None, memory: int | None, target: str | None = None) -> int:
+    """Prints the memory plan for simulated CPU devices, or compile-only GPUs of `target`; returns DOES_NOT_FIT when
+    it exceeds `memory` (for a target by default the memory a run lets XLA take), else 0."""
     count = plan_device_count(config.mesh, devices)
-    simulate_cpu_devices(count)
-    if jax.device_count() < count:
-        raise MeshError(
-            f"the plan needs {count} devices but JAX started with {jax.device_count()} before --devices "
-            f"could take effect"
-        )
-    result = plan_memory(config, jax.devices()[:count])
+    if target is not None:
+        spec = targets.target(target)
+        devices_ = targets.compile_only_devices(spec.name, count)
+        if memory is None:
+            memory = usable_gpu_memory(spec)
+            print(
+                f"{spec.name}: {format_size(spec.memory)} per device, of which a run lets XLA take "
+                f"{format_size(memory)} (XLA_PYTHON_CLIENT_MEM_FRACTION="
+                f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', GPU_MEMORY_FRACTION)})",
+                flush=True,
+            )
+    else:
+        simulate_cpu_devices(count)
+        if jax.device_count() < count:
+            raise MeshError(
+                f"the plan needs {count} devices but JAX started with {jax.device_count()} before --devices "
+                f"could take effect"
+            )
+        devices_ = jax.devices()[:count]
+    result = plan_memory(config, devices_)
     print(format_plan(result, memory), flush=True)
     return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 
@@ -104,7 +134,14 @@ def main(argv=None) -> int:
         "--devices",
         type=int,
         metavar="N",
-        help="with --plan: simulate N CPU devices (default: the product of the mesh sizes)",
+        help="with --plan: plan for N devices: simulated CPU devices, or with --target compile-only GPUs, 8 per host "
+        "(default: the product of the mesh sizes)",
+    )
+    parser.add_argument(
+        "--target",
+        choices=tuple(targets.TARGETS),
+        help="with --plan: compile for this GPU (no GPU needed; needs the gpu extra: pip install -e '.[gpu]') and "
+        "plan from XLA's GPU compiler; the fit verdict defaults to the memory a run lets XLA take",
     )
     parser.add_argument(
         "--device-memory",
@@ -113,12 +150,14 @@ def main(argv=None) -> int:
         help="with --plan: memory of one device (80GiB, 80GB, 141e9); says whether the step fits",
     )
     args = parser.parse_intermixed_args(argv)
-    if not args.plan and (args.devices is not None or args.device_memory is not None):
-        parser.error("--devices and --device-memory go with --plan")
+    if not args.plan and (args.devices is not None or args.device_memory is not None or args.target is not None):
+        parser.error("--devices, --device-memory and --target go with --plan")
     cluster_flags = (args.coordinator, args.num_processes, args.process_id)
     if not args.distributed and cluster_flags != (None, None, None):
         parser.error("--coordinator, --num-processes and --process-id go with --distributed")
-    default_xla_flags()
+    default_environment()
+    if os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:  # set above, after jax read it
+        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
     # force: an imported library may have configured the root logger already, hiding our INFO lines
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("absl", "jax", "orbax", "grain"):
@@ -127,14 +166,14 @@ def main(argv=None) -> int:
         # a plan reads no parameters: it needs no checkpoint.init_from (e.g. an import not made yet)
         config = load_config(args.config, [*args.overrides, *(["checkpoint.init_from="] if args.plan else [])])
         if args.plan:
-            return plan(config, args.devices, args.device_memory)
+            return plan(config, args.devices, args.device_memory, args.target)
         if args.distributed:
             distributed.initialize(distributed.resolve(*cluster_flags))
         check_policy(config.compute.remat_policy, jax.default_backend())
         from train.loop import run
 
         run(config)
-    except (ConfigError, MeshError, RematError, DataError, CheckpointError, FileNotFoundError) as error:
+    except (ConfigError, MeshError, RematError, DataError, CheckpointError, FileNotFoundError, TargetError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except NonFiniteLoss as error:

@@ -4,7 +4,8 @@ Nothing is allocated and no data is read: the state comes from `nnx.eval_shape`,
 `jax.ShapeDtypeStruct`s with the run's NamedShardings, and the jitted train step is lowered and compiled for
 the configured mesh. Parameters, optimizer state, gradients and the batch are exact (their per-device shard
 shapes); temporaries and the total come from `compiled.memory_analysis()`, i.e. from the buffer assignment of
-the backend that compiled the plan.
+the backend that compiled the plan: simulated CPU devices, or compile-only GPUs (parallel/targets.py), for which
+XLA's GPU compiler runs as for a real run, with the kernels and expert dispatch a GPU run would use.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ from train.step import make_train_step
 # The plan never runs the step: on CPU, LLVM's optimisations are skipped (the compile takes about half as long;
 # the buffer assignment is the same, as the tests check against a default compile)
 CPU_OPTIONS = {"xla_backend_optimization_level": 0}
+# A compile-only GPU has no device to ask for a CUB radix sort's scratch size, so sorts compile as XLA's own sort
+# kernel (a real run's sort scratch differs by a few MiB at most: the MoE sorts tokens x experts per token ids)
+GPU_PLAN_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
+# What a compile without a device cannot know, printed with every GPU plan
+GPU_UNKNOWNS = (
+    "not in the GPU compiler's numbers: cuDNN's workspace (chosen at run time), autotuning (none without a device: "
+    "default GEMM and fusion configs), CUB sort scratch (sorts planned without CUB)"
+)
 
 SIZE_UNITS = {
     "B": 1,
@@ -68,9 +77,13 @@ class MemoryPlan:
     temporaries: int
     platform: str
     devices: int
+    device_kind: str
     mesh: dict[str, int]
+    attention_kernel: str
+    expert_dispatch: str
     config: Config  # as planned: compute.dtype resolved (for_accelerator)
     compile_seconds: float
+    compiled: jax.stages.Compiled = dataclasses.field(repr=False, compare=False)
 
     @property
     def total(self) -> int:
@@ -118,15 +131,16 @@ def abstract_batch(config: Config, mesh) -> dict:
 
 
 def plan_memory(config: Config, devices=None) -> MemoryPlan:
-    """Compiles the configured train step for the mesh over `devices` (default: all) on abstract state and
-    batch, and returns the bytes per device (`compute.dtype=auto` planned as bfloat16, see for_accelerator; on CPU
-    the ragged expert dispatch is planned as the capacity dispatch, whose buffers have the same size, and the Pallas
-    and cuDNN attention kernels as the blockwise one, which holds the same per-block temporaries; cuDNN's softmax
-    statistics, batch x 64 segments x heads x tokens floats per call, are not counted)."""
+    """Compiles the configured train step for the mesh over `devices` (default: all; compile-only GPUs too) on
+    abstract state and batch, and returns the bytes per device (`compute.dtype=auto` planned as bfloat16, see
+    for_accelerator). The attention kernel and expert dispatch are resolved for the devices' platform; on CPU the
+    ragged expert dispatch is planned as the capacity dispatch, whose buffers have the same size, and the Pallas
+    and cuDNN attention kernels as the blockwise one, which holds the same per-block temporaries."""
     config = for_accelerator(config)
     mesh = make_mesh(config.mesh, devices)
     check_built_mesh(config, mesh)
-    platform = mesh.devices.flat[0].platform
+    device = mesh.devices.flat[0]
+    platform = device.platform
     check_policy(config.compute.remat_policy, platform)
     parallel_config = config.parallel
     if platform == "cpu" and parallel_config.expert_dispatch == "ragged":
@@ -142,10 +156,10 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
             mesh,
             chunk_size=config.compute.loss_chunk_size,
             accum_steps=config.train.grad_accum_steps,
-            plan=make_plan(parallel_config, mesh.shape, platform),
+            plan=(plan := make_plan(parallel_config, mesh.shape, device)),
         )
         start = time.perf_counter()
-        compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else None)
+        compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else GPU_PLAN_OPTIONS)
         seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     model, optimizer = state[0], state[1]
@@ -162,9 +176,13 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
         temporaries=stats.temp_size_in_bytes,
         platform=platform,
         devices=mesh.size,
+        device_kind=device.device_kind,
         mesh={name: size for name, size in mesh.shape.items() if size > 1},
+        attention_kernel=plan.kernel,
+        expert_dispatch=plan.expert_dispatch if config.model.num_experts else "none",
         config=config,
         compile_seconds=seconds,
+        compiled=compiled,
     )
 
 
@@ -184,18 +202,22 @@ def format_plan(plan: MemoryPlan, device_memory: int | None = None) -> str:
         ("outputs not in place", unaliased, "outputs not written into the donated state"),
         ("total", plan.total, "arguments + temporaries + outputs not in place"),
     ]
+    dispatch = "" if plan.expert_dispatch == "none" else f", expert dispatch {plan.expert_dispatch}"
     lines = [
-        f"memory plan: {plan.devices} {plan.platform} devices, mesh {mesh}; batch {t.batch_size} x "
-        f"{plan.config.data.seq_len} tokens in {t.grad_accum_steps} micro-batch(es); remat {c.remat_policy}; "
-        f"params {m.param_dtype}, compute {c.dtype}; compiled in {plan.compile_seconds:.1f} s",
+        f"memory plan: {plan.devices} {plan.platform} devices ({plan.device_kind}), mesh {mesh}; batch "
+        f"{t.batch_size} x {plan.config.data.seq_len} tokens in {t.grad_accum_steps} micro-batch(es); remat "
+        f"{c.remat_policy}; params {m.param_dtype}, compute {c.dtype}; attention kernel {plan.attention_kernel}"
+        f"{dispatch}; compiled in {plan.compile_seconds:.1f} s",
         "per device:",
     ]
     lines += [f"  {name:<22}{format_size(size):>12}   {note}" for name, size, note in rows if size or name == "total"]
     if plan.platform == "cpu":
         lines.append(
-            "temporaries come from the CPU compiler's buffer assignment (a GPU/TPU compile would differ); "
-            "parameters, optimizer state, gradients and batch are exact"
+            "temporaries come from the CPU compiler's buffer assignment (a GPU/TPU compile would differ: plan for a "
+            "GPU with --target); parameters, optimizer state, gradients and batch are exact"
         )
+    if plan.platform == "gpu":
+        lines.append(GPU_UNKNOWNS)
     if device_memory is not None:
         verdict = (
             f"fits, {format_size(device_memory - plan.total)} free"

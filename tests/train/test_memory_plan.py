@@ -114,9 +114,13 @@ def test_fits_verdict_at_the_boundary():
         temporaries=100,
         platform="cpu",
         devices=2,
+        device_kind="cpu",
         mesh={"fsdp": 2},
+        attention_kernel="blockwise",
+        expert_dispatch="none",
         config=load_config(TINY),
         compile_seconds=1.0,
+        compiled=None,
     )
     assert plan.total == 13 + 100 + 14 - 12
     assert plan.fits(115) and "device memory 115 B: fits, 0 B free (total 100% of it)" in format_plan(plan, 115)

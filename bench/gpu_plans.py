@@ -1,0 +1,91 @@
+"""The 128K recipes compiled for H100s with each attention kernel, and for simulated CPU devices: what XLA's GPU
+compiler assigns per device (no GPU needed: parallel/targets.py, the `gpu` extra), against the blockwise kernel's
+GPU plan and the CPU plan of the same step, in one run. A kernel that does not compile gets a row saying why.
+
+    PYTHONPATH=. python bench/gpu_plans.py                       # the three 128K recipes, about 10 min on 2 cores
+    PYTHONPATH=. python bench/gpu_plans.py --quick               # the 8B recipe only
+    PYTHONPATH=. python bench/gpu_plans.py --recipes finetune-128k-deepseek-v3:128 --overrides mesh.fsdp=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import subprocess
+import sys
+
+from bench.report import ratio, skip
+from parallel import targets
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RECIPES = ("finetune-128k-llama3.1-8b:8", "finetune-128k-deepseek-v2-lite:8", "finetune-128k-deepseek-v3:256")
+KERNELS = ("blockwise", "pallas", "cudnn")
+GIB = 2**30
+# one plan per process: a CPU plan starts JAX with its own device count
+PLAN = """
+import sys
+from parallel import targets
+from train.config import load_config
+from train.memory import plan_memory
+from train.__main__ import simulate_cpu_devices
+recipe, target, count, *overrides = sys.argv[1:]
+config = load_config(f"configs/{recipe}.yaml", [*overrides, "checkpoint.init_from="])
+if target == "cpu":
+    simulate_cpu_devices(int(count))
+    import jax
+    devices = jax.devices()[: int(count)]
+else:
+    devices = targets.compile_only_devices(target, int(count))
+p = plan_memory(config, devices)
+print("PLAN", p.arguments, p.temporaries, p.total, f"{p.compile_seconds:.1f}", p.attention_kernel)
+"""
+
+
+def plan(recipe: str, target: str, count: int, overrides: list[str]) -> tuple[int, int, int, str, str] | str:
+    """(arguments, temporaries, total bytes, compile seconds, kernel) of one plan, or the error's last line."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    done = subprocess.run(
+        [sys.executable, "-c", PLAN, recipe, target, str(count), *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    line = next((line for line in done.stdout.splitlines() if line.startswith("PLAN ")), None)
+    if line is None:
+        return (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
+    arguments, temporaries, total, seconds, kernel = line.split()[1:]
+    return int(arguments), int(temporaries), int(total), seconds, kernel
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipes", default=",".join(RECIPES), help="NAME:DEVICES,... (configs/NAME.yaml)")
+    parser.add_argument("--target", default="h100")
+    parser.add_argument("--overrides", nargs="*", default=[], help="config overrides for every plan")
+    parser.add_argument("--quick", action="store_true", help="the first recipe only")
+    args = parser.parse_args()
+    if not targets.plugin_installed():
+        skip(f"needs XLA's GPU compiler: {targets.GPU_INSTALL}")
+    recipes = [entry.split(":") for entry in args.recipes.split(",")][: 1 if args.quick else None]
+    print("| recipe | devices | plan | arguments GiB | temporaries GiB | total GiB | compile s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name, count in recipes:
+        rows = {"cpu": plan(name, "cpu", int(count), args.overrides)}
+        for kernel in KERNELS:
+            rows[kernel] = plan(name, args.target, int(count), [*args.overrides, f"parallel.attention_kernel={kernel}"])
+        for label, row in rows.items():
+            where = "CPU compiler, blockwise" if label == "cpu" else f"{args.target}, {label}"
+            if isinstance(row, str):
+                print(f"| {name} | {count} | {where} | does not compile: {row} | | | |")
+                continue
+            arguments, temporaries, total, seconds, _ = row
+            print(f"| {name} | {count} | {where} | {arguments / GIB:.2f} | {temporaries / GIB:.2f} | "
+                  f"{total / GIB:.2f} | {seconds} |")  # fmt: skip
+        base = rows["blockwise"]
+        for label, row in rows.items():
+            if label != "blockwise" and not isinstance(row, str) and not isinstance(base, str):
+                what = "CPU plan" if label == "cpu" else f"{args.target} plan, {label}"
+                ratio(f"{name}: temporaries, {what}", f"{args.target} plan, blockwise", row[1] / base[1])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""GPUs to compile for without one: compile-only devices from a GPU target config (a text proto of the device kept
+in parallel/gpu_targets/), through JAX's CUDA plugin with JAX_PLATFORMS=cpu. A mesh over them and
+`jit(...).lower().compile()` run XLA's whole GPU pipeline to cubins, and `memory_analysis()` gives the GPU
+compiler's buffer assignment; nothing runs.
+
+    devices = compile_only_devices("h100", 16)  # 2 hosts x 8 H100s
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import pathlib
+import re
+
+GPU_INSTALL = "pip install -e '.[gpu]' (JAX's CUDA plugin at the pinned JAX version)"
+GPUS_PER_HOST = 8
+SPECS = pathlib.Path(__file__).with_name("gpu_targets")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A GPU to compile for: `spec` the target config file in parallel/gpu_targets/."""
+
+    name: str
+    spec: str
+
+    @property
+    def config(self) -> str:
+        """The target config text proto."""
+        return (SPECS / self.spec).read_text()
+
+    @property
+    def memory(self) -> int:
+        """Bytes of device memory, as the target config gives them (the device's whole memory)."""
+        return int(re.search(r"device_memory_size: (\d+)", self.config).group(1))
+
+
+TARGETS = {"h100": Target("h100", "h100_sxm.txtpb"), "h200": Target("h200", "h200.txtpb")}
+
+
+class TargetError(ValueError):
+    """A target that is unknown or cannot be compiled for here; the message says what would be accepted."""
+
+
+def target(name: str) -> Target:
+    """The Target called `name`; TargetError names the value and the known targets."""
+    if name not in TARGETS:
+        raise TargetError(f"--target {name!r} is unknown; choose one of {', '.join(TARGETS)}")
+    return TARGETS[name]
+
+
+def topology(count: int) -> str:
+    """'1 x hosts x GPUs per host' for `count` devices: one host up to GPUS_PER_HOST, else whole hosts of it."""
+    if count < 1 or (count > GPUS_PER_HOST and count % GPUS_PER_HOST):
+        raise TargetError(
+            f"--devices={count}: a GPU plan takes 1 to {GPUS_PER_HOST} devices (one host) or a multiple of "
+            f"{GPUS_PER_HOST} ({GPUS_PER_HOST} per host)"
+        )
+    hosts = max(1, count // GPUS_PER_HOST)
+    return f"1x{hosts}x{count // hosts}"
+
+
+def plugin_installed() -> bool:
+    """Whether JAX's CUDA plugin (which holds XLA's GPU compiler) is installed."""
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def compile_only_devices(name: str, count: int) -> tuple:
+    """`count` compile-only devices of target `name` (process i holds devices 8i .. 8i + 7); JAX runs on CPU if no
+    platform was chosen yet (the compiles need a host backend, not a GPU). TargetError when the target is unknown,
+    the count does not make whole hosts, or the CUDA plugin is missing (with the install command)."""
+    spec, shape = target(name), topology(count)
+    if not plugin_installed():
+        raise TargetError(f"compiling for {name} needs XLA's GPU compiler: {GPU_INSTALL}")
+    return _topology_devices(spec, shape)
+
+
+@functools.cache
+def _topology_devices(spec: Target, shape: str) -> tuple:
+    """The devices of topology `shape` ('1 x hosts x GPUs') of `spec`, made once per process."""
+    import jax
+    from jax.experimental import topologies
+
+    if not jax.config.jax_platforms:
+        jax.config.update("jax_platforms", "cpu")
+
+    return tuple(topologies.get_topology_desc(platform="cuda", topology=shape, target_config=spec.config).devices)
+
+
+def gpu_present() -> bool:
+    """Whether this machine has an NVIDIA GPU (its device nodes), asked without starting a JAX backend."""
+    return any(pathlib.Path("/dev").glob("nvidia[0-9]*"))

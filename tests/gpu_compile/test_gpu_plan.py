@@ -1,0 +1,124 @@
+"""`python -m train CONFIG --plan --target h100|h200 --devices N`: the plan is the GPU compiler's buffer assignment
+of the step a GPU run compiles; the fit verdict uses the memory a run lets XLA take; bad targets and device counts
+are named before anything compiles; and (slow) each 128K recipe fits its GPUs with each attention kernel."""
+
+import contextlib
+import io
+
+import jax
+import pytest
+
+import train.__main__ as cli
+from parallel import targets
+from parallel.configure import make_plan
+from parallel.mesh import make_mesh
+from tests.train.tiny_run import REPO, TINY
+from train.config import load_config
+from train.memory import GPU_PLAN_OPTIONS, abstract_batch, for_accelerator
+from train.optimizer import make_optimizer
+from train.state import TrainState, abstract_state
+from train.step import make_train_step
+
+pytestmark = [
+    pytest.mark.gpu_compile,
+    pytest.mark.skipif(not targets.plugin_installed(), reason=f"needs XLA's GPU compiler: {targets.GPU_INSTALL}"),
+]
+OVERRIDES = [  # the kernels compile in test_train_step.py
+    "model.num_layers=2",
+    "mesh.fsdp=2",
+    "mesh.context=4",
+    "parallel.context_strategy=ring",
+    "parallel.attention_kernel=blockwise",
+]
+
+
+def plan_from_cli(argv):
+    """(exit status, printed text, MemoryPlan) of `python -m train ARGV`, run in this process."""
+    plans, plan_memory, printed = [], cli.plan_memory, io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setattr(cli, "plan_memory", lambda *a, **kw: plans.append(plan_memory(*a, **kw)) or plans[-1])
+        status = cli.main(argv)
+    return status, printed.getvalue(), plans[0] if plans else None
+
+
+def gpu_step_memory(config, devices):
+    """memory_analysis() of the train step compiled for `devices` as a GPU run builds it (train/loop.py), here."""
+    mesh = make_mesh(config.mesh, devices)
+    graphdef, state, shardings = abstract_state(
+        config.model, make_optimizer(config.optimizer, config.train.steps), mesh, compute=config.compute
+    )
+    with jax.set_mesh(mesh):
+        step = make_train_step(
+            TrainState(graphdef, state, shardings),
+            mesh,
+            chunk_size=config.compute.loss_chunk_size,
+            accum_steps=config.train.grad_accum_steps,
+            plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0]),
+        )
+        return step.lower(state, abstract_batch(config, mesh)).compile(GPU_PLAN_OPTIONS).memory_analysis()
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [(TINY, OVERRIDES), pytest.param(REPO / "configs" / "finetune-128k-llama3.1-8b.yaml", [], marks=pytest.mark.slow)],
+)
+def test_h100_plan_is_the_gpu_compile_of_the_run_step(config, overrides):
+    status, text, plan = plan_from_cli([str(config), *overrides, "--plan", "--target", "h100", "--devices", "8"])
+    assert status == 0, text
+    run_config = for_accelerator(load_config(config, [*overrides, "checkpoint.init_from="]))
+    stats = gpu_step_memory(run_config, targets.compile_only_devices("h100", 8))
+    assert (plan.arguments, plan.temporaries, plan.outputs, plan.aliased) == (
+        stats.argument_size_in_bytes,
+        stats.temp_size_in_bytes,
+        stats.output_size_in_bytes,
+        stats.alias_size_in_bytes,
+    )
+    assert plan.device_kind == "NVIDIA H100 80GB HBM3" and plan.attention_kernel == (
+        "blockwise" if overrides else "cudnn"
+    )
+    usable = int(targets.TARGETS["h100"].memory * float(cli.GPU_MEMORY_FRACTION))
+    assert f"device memory {cli.format_size(usable)}: fits" in text
+    assert "gpu compiler's buffer assignment" in text and "cuDNN's workspace" in text
+
+
+def test_h200_plan_has_its_memory_and_hosts():
+    argv = [str(TINY), *OVERRIDES, "mesh.fsdp=-1", "--plan", "--target", "h200", "--devices", "16"]
+    status, text, plan = plan_from_cli(argv)
+    assert status == 0, text
+    assert plan.devices == 16 and plan.mesh == {"fsdp": 4, "context": 4} and "H200" in plan.device_kind
+    assert "h200: 141.00 GiB per device" in text
+
+
+def test_auto_is_cudnn_on_compile_only_hoppers():
+    """The kernel is resolved from the target's devices (compute capability 9.0), not from this machine's CPU."""
+    for name in targets.TARGETS:
+        device = targets.compile_only_devices(name, 1)[0]
+        assert make_plan(load_config(TINY).parallel, {}, device).kernel == "cudnn"
+
+
+def test_bad_target_requests_are_named_before_compiling(monkeypatch, capsys):
+    assert cli.main([str(TINY), "--plan", "--target", "h100", "--devices", "12"]) == 2
+    assert "--devices=12: a GPU plan takes 1 to 8 devices (one host) or a multiple of 8" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([str(TINY), "--plan", "--target", "a100"])
+    assert "argument --target: invalid choice: 'a100'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main([str(TINY), "--target", "h100"])
+    assert "go with --plan" in capsys.readouterr().err
+    monkeypatch.setattr(targets, "plugin_installed", lambda: False)
+    assert cli.main([str(TINY), "--plan", "--target", "h100", "--devices", "8"]) == 2
+    assert f"compiling for h100 needs XLA's GPU compiler: {targets.GPU_INSTALL}" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["blockwise", "pallas", "cudnn"])
+@pytest.mark.parametrize(
+    "recipe, devices",
+    [("finetune-128k-llama3.1-8b", 8), ("finetune-128k-deepseek-v2-lite", 8), ("finetune-128k-deepseek-v3", 256)],
+)
+def test_128k_recipe_fits_h100(recipe, devices, kernel):
+    config = REPO / "configs" / f"{recipe}.yaml"
+    argv = [str(config), f"parallel.attention_kernel={kernel}", "--plan", "--target", "h100", "--devices", str(devices)]
+    status, text, plan = plan_from_cli(argv)
+    assert status == 0 and "fits" in text, text
+    assert plan.attention_kernel == kernel

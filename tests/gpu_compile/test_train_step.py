@@ -1,0 +1,69 @@
+"""The train step compiles for 8 H100s through XLA's GPU compiler, with no GPU (parallel/targets.py), for every
+context strategy x attention kernel on llama-tiny and deepseek-tiny: packed rows, scattered tensor parallelism,
+expert parallelism with the capacity and the ragged dispatch. Each is what `python -m train CONFIG --plan --target
+h100 --devices 8` compiles, and each checks that the kernel it names is the one in the compiled program.
+
+    python -m pytest -q -m gpu_compile
+"""
+
+import pytest
+
+from parallel import targets
+from tests.train.tiny_run import REPO
+from train.config import load_config
+from train.memory import plan_memory
+
+pytestmark = [
+    pytest.mark.gpu_compile,
+    pytest.mark.skipif(not targets.plugin_installed(), reason=f"needs XLA's GPU compiler: {targets.GPU_INSTALL}"),
+]
+
+STRATEGIES = ("none", "all_gather", "ring", "ulysses", "usp")
+KERNELS = ("blockwise", "pallas", "cudnn")
+LLAMA_MESHES = {  # 8 devices each: the sequence, heads and parameters split every way a strategy allows
+    "none": dict(fsdp=4, tensor=2),
+    "all_gather": dict(fsdp=2, context=2, tensor=2),
+    "ring": dict(fsdp=2, context=4),
+    "ulysses": dict(fsdp=2, context=2, tensor=2),
+    "usp": dict(fsdp=2, context=2, ulysses=2),
+}
+MODELS = {  # config, overrides, mesh per strategy (deepseek: the experts split too)
+    "llama": ("configs/tiny.yaml", ["model.num_layers=2"], LLAMA_MESHES),
+    "deepseek": (
+        "configs/deepseek-tiny.yaml",
+        [],
+        {name: {**mesh, "fsdp": mesh["fsdp"] // 2, "expert": 2} for name, mesh in LLAMA_MESHES.items()},
+    ),
+}
+# the custom calls that show a kernel in the compiled program
+CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": "__gpu$xla.gpu.triton"}
+
+
+def overrides(model: str, strategy: str, kernel: str) -> list[str]:
+    """Config overrides of one case; deepseek dispatches by capacity under the blockwise kernel and by the GPU
+    default (ragged) under the others."""
+    _, extra, meshes = MODELS[model]
+    dispatch = ["parallel.expert_dispatch=capacity"] if model == "deepseek" and kernel == "blockwise" else []
+    return [
+        *extra,
+        *(f"mesh.{axis}={size}" for axis, size in meshes[strategy].items()),
+        f"parallel.context_strategy={strategy}",
+        f"parallel.attention_kernel={kernel}",
+        *dispatch,
+    ]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_train_step_compiles_for_h100(model, strategy, kernel):
+    config = load_config(REPO / MODELS[model][0], overrides(model, strategy, kernel))
+    plan = plan_memory(config, targets.compile_only_devices("h100", 8))
+    assert (plan.platform, plan.devices, plan.attention_kernel) == ("gpu", 8, kernel)
+    assert plan.expert_dispatch == ("none" if model == "llama" else "capacity" if kernel == "blockwise" else "ragged")
+    text = plan.compiled.as_text()
+    for name, call in CUSTOM_CALLS.items():
+        # cudnn serves the diagonal and all-visible calls and compiles Pallas for the rest (a run-time branch)
+        wanted = name == kernel or kernel == "cudnn"
+        assert (call in text) == wanted, f"{call} {'missing from' if wanted else 'in'} the {kernel} program"
+    assert 0 < plan.total < 2**30
