@@ -17,6 +17,7 @@ import sys
 
 from bench.report import ratio, skip
 from parallel import targets
+from train.__main__ import default_environment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ("finetune-128k-llama3.1-8b:8", "finetune-128k-deepseek-v2-lite:8", "finetune-128k-deepseek-v3:256")
@@ -26,6 +27,7 @@ GIB = 2**30
 PLAN = """
 import sys
 from parallel import targets
+from train.__main__ import default_environment
 from train.config import load_config
 from train.memory import plan_memory
 from train.__main__ import simulate_cpu_devices
@@ -45,6 +47,7 @@ print("PLAN", p.arguments, p.temporaries, p.total, f"{p.compile_seconds:.1f}", p
 def plan(recipe: str, target: str, count: int, overrides: list[str]) -> tuple[int, int, int, str, str] | str:
     """(arguments, temporaries, total bytes, compile seconds, kernel) of one plan, or the error's last line."""
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+    default_environment(env)  # the XLA flags a run of python -m train compiles with (they change the schedule)
     done = subprocess.run(
         [sys.executable, "-c", PLAN, recipe, target, str(count), *overrides],
         cwd=REPO, env=env, capture_output=True, text=True,

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import jax
 
+from parallel import plans
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj", "mlp_gate", "mlp_up", "mlp_down")
 
 POLICIES = {
@@ -51,8 +53,9 @@ def check_policy(policy: str, platform: str) -> None:
 
 
 def remat(fn, policy: str):
-    """Wraps `fn` in jax.checkpoint with the named policy ('none' returns fn unchanged)."""
-    check_policy(policy, jax.default_backend())
+    """Wraps `fn` in jax.checkpoint with the named policy ('none' returns fn unchanged), checked for the platform
+    the traced step compiles for (the installed parallel plan's; JAX's default backend without one)."""
+    check_policy(policy, plans.current().platform or jax.default_backend())
     if policy == "none":
         return fn
     return jax.checkpoint(fn, policy=POLICIES[policy], prevent_cse=False)

@@ -21,6 +21,7 @@ from parallel import plan as plans
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
 from parallel.reorder import layout_index
+from parallel.strategies.common import plan_kernel
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ def relative_error(a, b) -> float:
     a, b = (np.asarray(x, np.float32) for x in (a, b))
     finite = np.isfinite(a) & np.isfinite(b)
     scale = np.abs(np.where(finite, b, 0)).max()
-    return float(np.abs(np.where(finite, a - b, 0)).max() / scale) if scale else 0.0
+    return float(np.abs(np.where(finite, a, 0) - np.where(finite, b, 0)).max() / scale) if scale else 0.0
 
 
 def _mismatch(got: dict, want: dict) -> str | None:
@@ -48,57 +49,71 @@ def _mismatch(got: dict, want: dict) -> str | None:
     return None
 
 
-def _attention_grads(kernel, q, k, v, q_seg, kv_seg, q_index, kv_index):
-    """{out, lse, dq, dk, dv} of one call of `kernel` through a loss with cotangents for out and lse."""
+def _attention_grads(kernel, blocks: dict, q, k, v, q_seg, kv_seg, q_index, kv_index):
+    """{out, lse, dq, dk, dv} of one call of `kernel` through a loss with cotangents for out and lse; numpy indices
+    are static (the kernel knows the call's kind at trace time), jax arrays traced."""
     weights = jax.random.normal(jax.random.key(3), (*q.shape[:3], v.shape[-1]), jnp.float32)
+    static = isinstance(q_index, np.ndarray)
 
-    def loss(q, k, v, q_index, kv_index):
+    def loss(q, k, v, *traced):
+        indices = (q_index, kv_index) if static else traced
         out, lse = kernels.attention(
-            q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=q_index, kv_index=kv_index, kernel=kernel,
-            block_q=128, block_kv=128,
+            q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=indices[0], kv_index=indices[1],
+            kernel=kernel, **blocks,
         )  # fmt: skip
         finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * weights) + jnp.sum(finite), (out, lse)
 
-    (dq, dk, dv), (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v, q_index, kv_index)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+    (dq, dk, dv), (out, lse) = grad(q, k, v) if static else grad(q, k, v, q_index, kv_index)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
 def _calls(dims: tuple[int, int, int, int], dtype) -> dict:
     """name -> (q, k, v, q_seg, kv_seg, q_index, kv_index) of the checked calls, on the default device: packed rows
-    of LENGTH tokens (four documents; padding ends the second row) on the causal diagonal, and a dual_chunk ring step
-    (rank 2's queries, rank 1's keys of a 4-device ring over 2 x LENGTH tokens), indices traced."""
+    (four documents; padding ends the second row) of LENGTH tokens on the causal diagonal, indices static; ring steps
+    of a 4-device ring over 2 x LENGTH tokens, indices traced: dual_chunk (rank 2's queries, rank 1's keys: cuDNN's
+    halves) and striped (a general call: cuDNN runs its general kernel)."""
     heads, kv_heads, dqk, dv = dims
     rng = np.random.default_rng(0)
     seg = np.repeat(np.arange(1, 5, dtype=np.int32), LENGTH // 2)[None].repeat(2, axis=0)  # [2, 2 x LENGTH]
     seg[1, -LENGTH // 4 :] = 0
-    index = layout_index(2 * LENGTH, 4, "dual_chunk", 1).reshape(4, -1)  # pieces of LENGTH / 2 tokens
+    dual, striped = (layout_index(2 * LENGTH, 4, layout, 1).reshape(4, -1) for layout in ("dual_chunk", "striped"))
     calls = {}
-    for name, (tokens, q_index, kv_index) in {
-        "diagonal": (LENGTH, np.arange(LENGTH), np.arange(LENGTH)),
-        "ring step": (LENGTH // 2, index[2], index[1]),
+    for name, (q_index, kv_index) in {
+        "diagonal": (np.arange(LENGTH, dtype=np.int32),) * 2,
+        "dual_chunk ring step": (dual[2], dual[1]),
+        "striped ring step": (striped[2], striped[1]),
     }.items():
         q, k, v = (
-            jnp.asarray(rng.normal(size=(2, tokens, h, d)), dtype)
+            jnp.asarray(rng.normal(size=(2, len(q_index), h, d)), dtype)
             for h, d in ((heads, dqk), (kv_heads, dqk), (kv_heads, dv))
         )
         segments = (jnp.asarray(seg[:, q_index]), jnp.asarray(seg[:, kv_index]))
-        calls[name] = (q, k, v, *segments, jnp.asarray(q_index, jnp.int32), jnp.asarray(kv_index, jnp.int32))
+        indices = (q_index, kv_index) if name == "diagonal" else (jnp.asarray(q_index), jnp.asarray(kv_index))
+        calls[name] = (q, k, v, *segments, *indices)
     return calls
 
 
-def kernel_error(kernel: kernels.Kernel, device, dims: tuple[int, int, int, int], dtype) -> str | None:
-    """Runs `kernel` and the blockwise kernel on `device` (heads, kv heads, q-k and v head dims `dims`, in `dtype`)
-    on the calls of `_calls`. Returns None when they agree, else what differed or the error raised."""
+def kernel_error(kernel: kernels.Kernel, device, dims: tuple[int, int, int, int], dtype, blocks: dict) -> str | None:
+    """Runs `kernel` and the blockwise kernel on `device` (heads, kv heads, q-k and v head dims `dims`, in `dtype`,
+    with `blocks` block_q / block_kv) on the calls of `_calls`. Returns None when they agree, else what differed or
+    the error raised."""
     try:
         with jax.default_device(device):
             for name, args in _calls(dims, dtype).items():
-                problem = _mismatch(_attention_grads(kernel, *args), _attention_grads(kernels.BLOCKWISE, *args))
+                got = _attention_grads(kernel, blocks, *args)
+                problem = _mismatch(got, _attention_grads(kernels.BLOCKWISE, blocks, *args))
                 if problem:
                     return f"{name}: {problem}"
     except Exception as error:  # noqa: BLE001  (any failure of an untried kernel sends the run to the reference)
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return _describe(error)
     return None
+
+
+def _describe(error: Exception) -> str:
+    """'Type: first line of the message'."""
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
 
 
 def _ffn(rows, w, group_sizes=None):
@@ -116,8 +131,9 @@ def _route(tokens, router, k: int):
 
 def dispatch_error(plan: plans.Plan, mesh, num_experts: int, k: int, dtype) -> str | None:
     """Runs the MoE dispatch of `plan` and the capacity dispatch (room for every assignment) on `mesh`, forward and
-    backward, on a few tokens per device routed to `num_experts` experts (k each). None when they agree, else what
-    differed or the error raised."""
+    backward, on a few tokens per device routed to `num_experts` experts (k each), and compares them inside the
+    program (every process gets the same replicated errors). None when they agree, else what differed or the error
+    raised."""
     spec = logical_spec(("batch", "length", "embed"), mesh)
     parts = [math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ())) for p in spec[:2]]
     rest = mesh.size // (parts[0] * parts[1])
@@ -125,38 +141,68 @@ def dispatch_error(plan: plans.Plan, mesh, num_experts: int, k: int, dtype) -> s
     x = jax.random.normal(jax.random.key(1), shape, dtype)
     router = jax.random.normal(jax.random.key(2), (embed, num_experts), jnp.float32)
     w = jax.random.normal(jax.random.key(3), (num_experts, embed, embed), dtype) / 4
+    reference = dataclasses.replace(plan, expert_dispatch="capacity", expert_capacity=float(num_experts))
 
-    def run(dispatch: plans.Plan):
+    def grads(x, w, dispatch: plans.Plan):
+        """{y, dx, dw} float32 of `dispatch` (installed while tracing)."""
+
         def loss(x, w):
             y, _, _ = routed_experts(x, lambda t, r: _route(t, r, k), (router,), _ffn, (w,), num_experts=num_experts)
-            return jnp.sum(y.astype(jnp.float32) * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
+            y = y.astype(jnp.float32)
+            return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
 
-        with plans.use(dispatch), jax.set_mesh(mesh):
-            placed = jax.device_put(x, jax.NamedSharding(mesh, spec))
-            (dx, dw), y = jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))(placed, w)
-        return dict(y=y, dx=dx, dw=dw)
+        with plans.use(dispatch):
+            (dx, dw), y = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, w)
+        return dict(y=y, dx=dx.astype(jnp.float32), dw=dw.astype(jnp.float32))
+
+    def errors(x, w):
+        """name -> (relative error, NaNs where the reference has none) as replicated scalars."""
+        got, want = grads(x, w, plan), grads(x, w, reference)
+        return {
+            name: (
+                jnp.max(jnp.abs(got[name] - want[name])) / jnp.maximum(jnp.max(jnp.abs(want[name])), 1e-30),
+                jnp.any(jnp.isnan(got[name]) & ~jnp.isnan(want[name])),
+            )
+            for name in got
+        }
 
     try:
-        got = run(plan)
-        want = run(dataclasses.replace(plan, expert_dispatch="capacity", expert_capacity=float(num_experts)))
-        return _mismatch(got, want)
+        with jax.set_mesh(mesh):
+            found = jax.jit(errors)(jax.device_put(x, jax.NamedSharding(mesh, spec)), w)
+        for name, (error, nan) in found.items():
+            if bool(nan):
+                return f"{name} has NaNs the reference has not"
+            if float(error) > TOLERANCE[name]:
+                return f"{name} differs from the reference by {float(error):.3g} (relative; allowed {TOLERANCE[name]})"
     except Exception as error:  # noqa: BLE001  (any failure of an untried dispatch sends the run to the reference)
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return _describe(error)
+    return None
+
+
+def _anywhere(problem: str | None) -> str | None:
+    """`problem`, or on a run of several processes the words for one that another process found: every process must
+    take the same path (they compile one program)."""
+    if jax.process_count() == 1:
+        return problem
+    from jax.experimental import multihost_utils
+
+    failed = multihost_utils.process_allgather(np.int32(problem is not None))
+    return problem or ("found on another process" if np.any(failed) else None)
 
 
 def checked(plan: plans.Plan, mesh, *, dims: tuple[int, int, int, int], experts: tuple[int, int], dtype) -> plans.Plan:
     """`plan`, with the blockwise kernel / capacity dispatch in place of a fused kernel / the ragged dispatch that
-    disagrees with it on this process's first device of `mesh` (a warning says which and why). The model's attention
-    `dims` (heads, kv heads, q-k and v head dims; the check uses at most 2 kv heads of 2 query heads each), its
-    `experts` (routed experts, experts per token) and compute `dtype` shape the checks."""
+    disagrees with it (the kernel on each process's first device of `mesh`, the dispatch on `mesh`; a warning says
+    which and why). The model's attention `dims` (heads, kv heads, q-k and v head dims; the check uses at most 2 kv
+    heads of 2 query heads each), its `experts` (routed experts, experts per token) and compute `dtype` shape the
+    checks; the kernel runs at the plan's blocks."""
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     if plan.kernel != "blockwise":
-        kernel = kernels.select(
-            plan.kernel, interpret=plan.interpret, backend=plan.platform, capability=plan.capability
-        )
         heads, kv_heads, dqk, dv = dims
         kv = min(kv_heads, 2)
-        problem = kernel_error(kernel, device, (kv * min(heads // kv_heads, 2), kv, dqk, dv), dtype)
+        blocks = dict(block_q=plan.block_q, block_kv=plan.block_kv)
+        local = kernel_error(plan_kernel(plan), device, (kv * min(heads // kv_heads, 2), kv, dqk, dv), dtype, blocks)
+        problem = _anywhere(local)
         if problem:
             log.warning(
                 "attention kernel %r disagrees with the blockwise kernel on %s (%s): this run uses the blockwise "

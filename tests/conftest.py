@@ -5,6 +5,7 @@ JAX runs on CPU, its default backend, with a machine's GPU beside it where it ha
 the GPU tests (tests/parallel/test_gpu_kernels.py) put their arrays on it, and the rest run as everywhere else."""
 
 import fcntl
+import importlib.util
 import os
 import pathlib
 import shutil
@@ -18,8 +19,11 @@ import pytest
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 ).strip()
-# an NVIDIA device node, as parallel.targets.gpu_present asks (importing `parallel` would import JAX before this)
-os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if any(pathlib.Path("/dev").glob("nvidia[0-9]*")) else "cpu")
+# an NVIDIA device node and JAX's CUDA plugin, as parallel.targets asks (importing `parallel` would import JAX before
+# this); a GPU beside the CPU allocates as it goes, so test processes can share it
+gpu = any(pathlib.Path("/dev").glob("nvidia[0-9]*")) and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if gpu else "cpu")
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 

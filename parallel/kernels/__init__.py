@@ -1,8 +1,9 @@
 """One attention kernel interface for every strategy: `attention` (differentiable in q, k, v and lse) and, through
 `select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
 lse). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs them on CPU), cuDNN flash
-attention on packed rows (parallel/kernels/cudnn.py; GPU, Hopper), and the blockwise kernel (parallel/blockwise.py),
-the default and the reference."""
+attention on packed rows (parallel/kernels/cudnn.py; GPU, Hopper; Pallas for the calls it cannot serve), and the
+blockwise kernel (parallel/blockwise.py), the CPU kernel and the reference. `auto` picks by the devices a step
+compiles for (see select)."""
 
 from __future__ import annotations
 
@@ -125,10 +126,10 @@ def attention(
     block_kv=256,
 ):
     """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
-        (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).
+    (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).
 
-        segment_ids: [batch, t] int32 (0 = padding; None = one document); index: [t] int32 global token index
-        (None = 0..t-1). A query with no visible key gets zeros and lse = -inf. `kernel`: a Kernel, or one of KERNELS
+    segment_ids: [batch, t] int32 (0 = padding; None = one document); index: [t] int32 global token index
+    (None = 0..t-1). A query with no visible key gets zeros and lse = -inf. `kernel`: a Kernel, or one of KERNELS
     selected for devices of platform `backend` (None: JAX's default; see select).
     """
     batch, tq, heads, dqk = q.shape

@@ -9,12 +9,13 @@ whose VJP drops the softmax statistics' cotangent. What the primitives give and 
   ALL_VISIBLE within segments (non-causal, or every key precedes every query: PADDING). A call that is neither but
   splits into query halves x key halves that are each all-visible or invisible (a dual_chunk ring step: one chunk
   against a whole piece) is served as HALVES: the visible quarters merged by log-sum-exp, their backward run with
-  the call's final out / lse. Anything else is `Unservable` when the indices are static, and runs the blockwise
-  kernel (a `lax.switch` branch) when they are traced or the row has more segments than `max_segments`. Static
-  indices compile only their kind and that fallback; traced ones compile every kind the call could be.
+  the call's final out / lse. Anything else is `Unservable` when the indices are static (the selected kernel then
+  runs its general kernel: Pallas on GPU), and runs that general kernel (a `lax.switch` branch) when they are traced
+  or the row has more segments than `max_segments`. Static indices compile only their kind and that fallback;
+  traced ones compile every kind the call could be.
 - Metadata: a row's segment id s occupies slot s - (smallest query id of the row); each segment must be one
   contiguous run of the row (documents are; so are a load-balanced piece's, which keeps global order). A row's
-  query ids may span at most `max_segments` ids: a call with more runs the blockwise kernel (a run-time branch),
+  query ids may span at most `max_segments` ids: a call with more runs the general kernel (a run-time branch),
   since the statistics cost batch x max_segments x heads x tq floats. Empty slots are -1 in both
   seqlens and offsets (a 0 length would stay in the primitive's left-shifted list while its -1 offset leaves it).
 - GQA: the primitive scales key / value offsets by the QUERY head count, so K / V are repeated to the query heads
@@ -250,7 +251,7 @@ def _switch(kind, q_index, kv_index, q_seg, kv_seg, causal: bool, max_segments: 
     """Runs by_kind[k](*operands) for the call's kind k: the static `kind` (then only it and GENERAL are compiled; a
     DIAGONAL whose query and key segment ids differ is GENERAL), or the kind decided from the traced indices when
     None (only the kinds the call's shapes allow are compiled: a non-causal call is ALL_VISIBLE or GENERAL, the
-    DIAGONAL needs as many keys as queries, halves at least two of each); GENERAL (the blockwise kernel) when a row
+    DIAGONAL needs as many keys as queries, halves at least two of each); GENERAL (the general kernel) when a row
     has more segments than max_segments."""
     if kind is None:
         kind, kinds = runtime_kind(q_index, kv_index, q_seg, kv_seg, causal), (ALL_VISIBLE, GENERAL)

@@ -42,7 +42,8 @@ def plan_from_cli(argv):
 
 
 def gpu_step_memory(config, devices):
-    """memory_analysis() of the train step compiled for `devices` as a GPU run builds it (train/loop.py), here."""
+    """memory_analysis() of the train step compiled here for `devices`: the state, batch and plan a GPU run builds
+    (train/loop.py), with the plan's compile options (a real run's differ only in CUB's sort, see GPU_PLAN_OPTIONS)."""
     mesh = make_mesh(config.mesh, devices)
     graphdef, state, shardings = abstract_state(
         config.model, make_optimizer(config.optimizer, config.train.steps), mesh, compute=config.compute
@@ -62,7 +63,7 @@ def gpu_step_memory(config, devices):
     "config, overrides",
     [(TINY, OVERRIDES), pytest.param(REPO / "configs" / "finetune-128k-llama3.1-8b.yaml", [], marks=pytest.mark.slow)],
 )
-def test_h100_plan_is_the_gpu_compile_of_the_run_step(config, overrides):
+def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     status, text, plan = plan_from_cli([str(config), *overrides, "--plan", "--target", "h100", "--devices", "8"])
     assert status == 0, text
     run_config = for_accelerator(load_config(config, [*overrides, "checkpoint.init_from="]))
@@ -87,6 +88,15 @@ def test_h200_plan_has_its_memory_and_hosts():
     assert status == 0, text
     assert plan.devices == 16 and plan.mesh == {"fsdp": 4, "context": 4} and "H200" in plan.device_kind
     assert "h200: 141.00 GiB per device" in text
+
+
+def test_host_offload_plans_for_a_gpu(capsys):
+    """Refused on CPU, where there is no host memory apart from the device's, but a GPU has one."""
+    argv = [str(TINY), *OVERRIDES, "model.num_layers=1", "compute.remat_policy=offload_projections", "--plan"]
+    status, text, plan = plan_from_cli([*argv, "--target", "h100", "--devices", "8"])
+    assert status == 0 and plan.config.compute.remat_policy == "offload_projections", text
+    assert cli.main([*argv, "--devices", "8"]) == 2
+    assert "offloads to pinned host memory, which the cpu backend does not have" in capsys.readouterr().err
 
 
 def test_auto_is_cudnn_on_compile_only_hoppers():

@@ -7,7 +7,7 @@ XLA raises when a kernel needs more shared memory than the H100 gives a block (R
 fails when a kernel's tiles stop fitting; each also checks that all three kernels are Triton calls (JAX 0.10.2
 lowers a kernel that does not name Triton to Mosaic GPU).
 
-    python -m pytest -q -m gpu_compile tests/gpu_compile/test_pallas_kernels.py
+    python -m pytest -q tests/gpu_compile/test_pallas_kernels.py
 """
 
 import re

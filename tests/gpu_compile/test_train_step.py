@@ -3,7 +3,7 @@ context strategy x attention kernel on llama-tiny and deepseek-tiny: packed rows
 expert parallelism with the capacity and the ragged dispatch. Each is what `python -m train CONFIG --plan --target
 h100 --devices 8` compiles, and each checks that the kernel it names is the one in the compiled program.
 
-    python -m pytest -q -m gpu_compile
+    python -m pytest -q -m "gpu_compile and not slow"
 """
 
 import pytest

@@ -124,7 +124,9 @@ class ParallelConfig:
     block_q: int = 256  # attention kernel block sizes (bench/README.md: 256 beats 512 on CPU in time and memory)
     block_kv: int = 256
     ring_grad_dtype: str = "float32"  # float32 | compute: dK/dV summed and sent around the ring in the compute dtype
-    attention_kernel: str = "auto"  # auto (GPU: cudnn on Hopper+, else pallas; elsewhere blockwise) | pallas | cudnn
+    attention_kernel: str = (
+        "auto"  # auto (GPU: cudnn on Hopper+, else pallas; elsewhere blockwise) | pallas | cudnn | blockwise
+    )
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
     expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices
     expert_capacity_factor: float = 1.25  # expert parallelism: dispatch buffer rows per expert / its balanced load
