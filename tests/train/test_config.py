@@ -182,3 +182,23 @@ def test_a_retired_key_is_ignored_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="'parallel.fused_attention' is ignored: .*attention_kernel=cudnn"):
         config = load_config(path)
     assert config.parallel.attention_kernel == "auto"
+
+
+@pytest.mark.parametrize(
+    "override, key, value",
+    [
+        ("data.file_pattern=*.txt", "file_pattern", "*.txt"),  # a YAML alias
+        ("data.text_field=123", "text_field", "123"),
+        ("data.text_field=yes", "text_field", "yes"),
+        ("data.text_field='quoted'", "text_field", "quoted"),
+        ("data.text_field=", "text_field", ""),
+    ],
+)
+def test_a_string_key_takes_the_override_as_written(override, key, value):
+    """What YAML would read as an alias, a number or a bool stays text for a key whose type is str (the README's
+    `data.file_pattern='*.txt'` reaches the program as *.txt); other keys are still read as YAML."""
+    config = load_config(None, [override])
+    assert getattr(config.data, key) == value
+    assert load_config(None, ["data.seq_len=512"]).data.seq_len == 512
+    with pytest.raises(ConfigError, match=r"data\.seq_len='many' has type str; expected int"):
+        load_config(None, ["data.seq_len=many"])

@@ -72,11 +72,28 @@ def _merge(into: dict, new: dict) -> None:
 
 
 def parse_override(text: str) -> tuple[list[str], typing.Any]:
-    """`train.steps=100` -> (["train", "steps"], 100); the value is read as YAML."""
+    """`train.steps=100` -> (["train", "steps"], 100): the value read as YAML, except for a key whose type is str,
+    which takes the text as written unless YAML reads it as a string too (quotes then come off): `*.txt` (a YAML
+    alias), `123`, `yes` or `null` stay text there."""
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     key, value = text.split("=", 1)
-    return key.strip().split("."), _parse_yaml(value, f"override {text!r}") if value else ""
+    keys = key.strip().split(".")
+    if _field_type(keys) is str:
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = None
+        return keys, parsed if isinstance(parsed, str) else value
+    return keys, _parse_yaml(value, f"override {text!r}") if value else ""
+
+
+def _field_type(keys: list[str]):
+    """The declared type of the Config field at dotted `keys` (None when the path names no field)."""
+    cls = Config
+    for key in keys[:-1]:
+        cls = typing.get_type_hints(cls).get(key) if dataclasses.is_dataclass(cls) else None
+    return typing.get_type_hints(cls).get(keys[-1]) if dataclasses.is_dataclass(cls) else None
 
 
 def load_config(path: str | pathlib.Path | None, overrides: typing.Sequence[str] = ()) -> Config:
