@@ -165,6 +165,8 @@ def main(argv=None) -> int:
     unknown = [task for task in args.tasks if task not in TASKS]
     if unknown:
         parser.error(f"--tasks {','.join(unknown)}: choose from {', '.join(TASKS)}")
+    if args.samples < 1:
+        parser.error(f"--samples {args.samples}: give at least 1 haystack per grid point")
     try:
         records = evaluate(
             args.checkpoint.absolute(),

@@ -82,3 +82,9 @@ def test_parameters_without_a_config_ask_for_one(imported, tmp_path, capsys):
     assert (
         f"{tmp_path} holds parameters but no model.yaml: name their run config with --config" in capsys.readouterr().err
     )
+
+
+def test_no_samples_is_refused_before_anything_runs(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        evaluate_main([str(tmp_path), "--samples", "0"])
+    assert "--samples 0: give at least 1 haystack per grid point" in capsys.readouterr().err
