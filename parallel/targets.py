@@ -64,7 +64,10 @@ def topology(count: int) -> str:
 
 def plugin_installed() -> bool:
     """Whether JAX's CUDA plugin (which holds XLA's GPU compiler) is installed."""
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
 
 
 def compile_only_devices(name: str, count: int) -> tuple:

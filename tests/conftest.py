@@ -21,7 +21,7 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 # an NVIDIA device node and JAX's CUDA plugin, as parallel.targets asks (importing `parallel` would import JAX before
 # this); a GPU beside the CPU allocates as it goes, so test processes can share it
-gpu = any(pathlib.Path("/dev").glob("nvidia[0-9]*")) and importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+gpu = any(pathlib.Path("/dev").glob("nvidia[0-9]*")) and importlib.util.find_spec("jax_plugins") is not None
 os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if gpu else "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
