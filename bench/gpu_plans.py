@@ -17,7 +17,7 @@ import sys
 
 from bench.report import ratio, skip
 from parallel import targets
-from train.__main__ import default_environment
+from train.environment import default_environment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = ("finetune-128k-llama3.1-8b:8", "finetune-128k-deepseek-v2-lite:8", "finetune-128k-deepseek-v3:256")
@@ -27,7 +27,6 @@ GIB = 2**30
 PLAN = """
 import sys
 from parallel import targets
-from train.__main__ import default_environment
 from train.config import load_config
 from train.memory import plan_memory
 from train.__main__ import simulate_cpu_devices

@@ -18,28 +18,12 @@ from models.remat import RematError, check_policy
 from parallel import targets
 from parallel.mesh import AXES, MeshError
 from parallel.targets import TargetError
-from train import distributed
+from train import distributed, environment
 from train.config import ConfigError, load_config
 from train.errors import CheckpointError, DataError, NonFiniteLoss
 from train.memory import format_plan, format_size, parse_size, plan_memory
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
-# XLA flags for GPU runs unless XLA_FLAGS is set: the latency-hiding scheduler lets a ring step's permute (and the
-# FSDP gathers) overlap compute. Other backends accept and ignore them.
-GPU_XLA_FLAGS = "--xla_gpu_enable_latency_hiding_scheduler=true"
-# Share of a GPU's memory XLA may take unless XLA_PYTHON_CLIENT_MEM_FRACTION is set (JAX's own default is 0.75);
-# the rest is left to NCCL, cuDNN workspaces and the CUDA context. A GPU plan's verdict uses the same share.
-GPU_MEMORY_FRACTION = "0.9"
-
-
-def default_environment(environ=os.environ) -> None:
-    """Before any backend starts: XLA_FLAGS = GPU_XLA_FLAGS and XLA_PYTHON_CLIENT_MEM_FRACTION = GPU_MEMORY_FRACTION
-    unless set; and on a machine with JAX's CUDA plugin but no GPU, JAX_PLATFORMS=cpu unless set (else every JAX
-    start prints the plugin's failed cuInit)."""
-    environ.setdefault("XLA_FLAGS", GPU_XLA_FLAGS)
-    environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)
-    if targets.plugin_installed() and not targets.gpu_present():
-        environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def device_memory(text: str) -> int:
@@ -77,7 +61,7 @@ def simulate_cpu_devices(count: int) -> None:
 
 def usable_gpu_memory(target: targets.Target, environ=os.environ) -> int:
     """Bytes of the target's memory a run lets XLA take (XLA_PYTHON_CLIENT_MEM_FRACTION, see default_environment)."""
-    return int(target.memory * float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", GPU_MEMORY_FRACTION)))
+    return int(target.memory * float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", environment.GPU_MEMORY_FRACTION)))
 
 
 def plan(config, devices: int | None, memory: int | None, target: str | None = None) -> int:
@@ -92,7 +76,7 @@ def plan(config, devices: int | None, memory: int | None, target: str | None = N
             print(
                 f"{spec.name}: {format_size(spec.memory)} per device, of which a run lets XLA take "
                 f"{format_size(memory)} (XLA_PYTHON_CLIENT_MEM_FRACTION="
-                f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', GPU_MEMORY_FRACTION)})",
+                f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', environment.GPU_MEMORY_FRACTION)})",
                 flush=True,
             )
     else:
@@ -155,9 +139,7 @@ def main(argv=None) -> int:
     cluster_flags = (args.coordinator, args.num_processes, args.process_id)
     if not args.distributed and cluster_flags != (None, None, None):
         parser.error("--coordinator, --num-processes and --process-id go with --distributed")
-    default_environment()
-    if os.environ.get("JAX_PLATFORMS") and not jax.config.jax_platforms:  # set above, after jax read it
-        jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+    environment.set_up()
     # force: an imported library may have configured the root logger already, hiding our INFO lines
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("absl", "jax", "orbax", "grain"):

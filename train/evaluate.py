@@ -25,6 +25,7 @@ import matplotlib
 import numpy as np
 
 from parallel.mesh import MeshError, make_mesh
+from train import environment
 from train.checkpoint import restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
 from train.errors import CheckpointError, DataError
@@ -162,6 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--samples", type=int, default=8, help="haystacks per grid point")
     parser.add_argument("--out", type=pathlib.Path, help="output folder (default RUN_DIR/eval)")
     args = parser.parse_intermixed_args(argv)
+    environment.set_up()
     unknown = [task for task in args.tasks if task not in TASKS]
     if unknown:
         parser.error(f"--tasks {','.join(unknown)}: choose from {', '.join(TASKS)}")

@@ -25,6 +25,7 @@ from flax import nnx
 
 from models.config import ConfigError, ModelConfig
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
+from train import environment
 from train.checkpoint import restore_model_params, step_directory
 from train.config import from_dict, load_config
 
@@ -107,6 +108,7 @@ def main(argv=None) -> int:
     )
     save.add_argument("--max-shard-bytes", type=int, default=2**31, help="shard size limit (default 2 GiB)")
     args = parser.parse_args(argv)
+    environment.set_up()
     try:
         if args.command == "import":
             config = import_checkpoint(args.hf_dir, args.out, args.dtype)

@@ -13,6 +13,7 @@ from parallel import targets
 from parallel.configure import make_plan
 from parallel.mesh import make_mesh
 from tests.train.tiny_run import REPO, TINY
+from train import environment
 from train.config import load_config
 from train.memory import GPU_PLAN_OPTIONS, abstract_batch, for_accelerator
 from train.optimizer import make_optimizer
@@ -77,7 +78,7 @@ def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     assert plan.device_kind == "NVIDIA H100 80GB HBM3" and plan.attention_kernel == (
         "blockwise" if overrides else "cudnn"
     )
-    usable = int(targets.TARGETS["h100"].memory * float(cli.GPU_MEMORY_FRACTION))
+    usable = int(targets.TARGETS["h100"].memory * float(environment.GPU_MEMORY_FRACTION))
     assert f"device memory {cli.format_size(usable)}: fits" in text
     assert "gpu compiler's buffer assignment" in text and "cuDNN's workspace" in text
 

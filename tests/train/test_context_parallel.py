@@ -24,8 +24,8 @@ from tests.train.step_reference import (
     packed_batch,
     token_losses,
 )
-from train.__main__ import GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, default_environment
 from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
+from train.environment import GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, default_environment
 from train.loop import run
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
