@@ -59,24 +59,19 @@ def simulate_cpu_devices(count: int) -> None:
     jax.config.update("jax_platforms", "cpu")
 
 
-def usable_gpu_memory(target: targets.Target, environ=os.environ) -> int:
-    """Bytes of the target's memory a run lets XLA take (XLA_PYTHON_CLIENT_MEM_FRACTION, see default_environment)."""
-    return int(target.memory * float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", environment.GPU_MEMORY_FRACTION)))
-
-
 def plan(config, devices: int | None, memory: int | None, target: str | None = None) -> int:
     """Prints the memory plan for simulated CPU devices, or compile-only GPUs of `target`; returns DOES_NOT_FIT when
     it exceeds `memory` (for a target by default the memory a run lets XLA take), else 0."""
     count = plan_device_count(config.mesh, devices)
     if target is not None:
         spec = targets.target(target)
-        devices_ = targets.compile_only_devices(spec.name, count)
-        if memory is None:
-            memory = usable_gpu_memory(spec)
+        plan_devices = targets.compile_only_devices(spec.name, count)
+        if memory is None:  # the share a run lets XLA take (environment.default_environment)
+            fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", environment.GPU_MEMORY_FRACTION)
+            memory = int(spec.memory * float(fraction))
             print(
                 f"{spec.name}: {format_size(spec.memory)} per device, of which a run lets XLA take "
-                f"{format_size(memory)} (XLA_PYTHON_CLIENT_MEM_FRACTION="
-                f"{os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION', environment.GPU_MEMORY_FRACTION)})",
+                f"{format_size(memory)} (XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})",
                 flush=True,
             )
     else:
@@ -86,8 +81,8 @@ def plan(config, devices: int | None, memory: int | None, target: str | None = N
                 f"the plan needs {count} devices but JAX started with {jax.device_count()} before --devices "
                 f"could take effect"
             )
-        devices_ = jax.devices()[:count]
-    result = plan_memory(config, devices_)
+        plan_devices = jax.devices()[:count]
+    result = plan_memory(config, plan_devices)
     print(format_plan(result, memory), flush=True)
     return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 
