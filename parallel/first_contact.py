@@ -38,15 +38,23 @@ def relative_error(a, b) -> float:
     return float(np.abs(np.where(finite, a, 0) - np.where(finite, b, 0)).max() / scale) if scale else 0.0
 
 
-def _mismatch(got: dict, want: dict) -> str | None:
-    """The first quantity whose relative error exceeds TOLERANCE, described; None when all agree."""
-    for name, value in got.items():
-        if not np.array_equal(np.isnan(np.asarray(value, np.float32)), np.isnan(np.asarray(want[name], np.float32))):
+def _verdict(found: dict) -> str | None:
+    """name -> (relative error, NaNs unlike the reference's) -> the first beyond TOLERANCE, described; else None."""
+    for name, (error, nan) in found.items():
+        if bool(nan):
             return f"{name} has NaNs the reference has not"
-        error = relative_error(value, want[name])
-        if error > TOLERANCE[name]:
-            return f"{name} differs from the reference by {error:.3g} (relative; allowed {TOLERANCE[name]})"
+        if float(error) > TOLERANCE[name]:
+            return f"{name} differs from the reference by {float(error):.3g} (relative; allowed {TOLERANCE[name]})"
     return None
+
+
+def _mismatch(got: dict, want: dict) -> str | None:
+    """_verdict of host arrays `got` against `want` (the same names)."""
+    nans = lambda x: np.isnan(np.asarray(x, np.float32))
+    found = {
+        name: (relative_error(a, want[name]), not np.array_equal(nans(a), nans(want[name]))) for name, a in got.items()
+    }
+    return _verdict(found)
 
 
 def _attention_grads(kernel, blocks: dict, q, k, v, q_seg, kv_seg, q_index, kv_index):
@@ -169,14 +177,9 @@ def dispatch_error(plan: plans.Plan, mesh, num_experts: int, k: int, dtype) -> s
     try:
         with jax.set_mesh(mesh):
             found = jax.jit(errors)(jax.device_put(x, jax.NamedSharding(mesh, spec)), w)
-        for name, (error, nan) in found.items():
-            if bool(nan):
-                return f"{name} has NaNs the reference has not"
-            if float(error) > TOLERANCE[name]:
-                return f"{name} differs from the reference by {float(error):.3g} (relative; allowed {TOLERANCE[name]})"
+        return _verdict(found)
     except Exception as error:  # noqa: BLE001  (any failure of an untried dispatch sends the run to the reference)
         return _describe(error)
-    return None
 
 
 def _anywhere(problem: str | None) -> str | None:
