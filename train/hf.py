@@ -36,10 +36,12 @@ TOKENIZER = "tokenizer.json"
 CARRIED = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
-def import_checkpoint(hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "float32") -> ModelConfig:
+def import_checkpoint(
+    hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "float32", *, allow_unused: bool = False
+) -> ModelConfig:
     """Hugging Face directory -> OUT/model (orbax), OUT/model.yaml, OUT/hf_config.json (and OUT/tokenizer.json);
-    returns the config."""
-    model = load_pretrained(hf_dir, dtype)
+    returns the config. Tensors the model would not read are refused unless `allow_unused` (load_pretrained)."""
+    model = load_pretrained(hf_dir, dtype, allow_unused=allow_unused)
     out = pathlib.Path(out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -96,6 +98,9 @@ def main(argv=None) -> int:
     load.add_argument("hf_dir", help="directory with config.json and model.safetensors (or index + shards)")
     load.add_argument("out", help="output directory: model (orbax), model.yaml, hf_config.json, tokenizer.json")
     load.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameter dtype")
+    load.add_argument(
+        "--allow-unused", action="store_true", help="import even when the model would not read some tensors"
+    )
     save = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
     save.add_argument("checkpoint", help="an import's output, a run's checkpoints/<step>, or checkpoints/ (newest)")
     save.add_argument("hf_dir", help="output directory for config.json and safetensors shards")
@@ -111,7 +116,7 @@ def main(argv=None) -> int:
     environment.set_up()
     try:
         if args.command == "import":
-            config = import_checkpoint(args.hf_dir, args.out, args.dtype)
+            config = import_checkpoint(args.hf_dir, args.out, args.dtype, allow_unused=args.allow_unused)
             print(f"imported {config.num_layers}-layer {config.family} to {args.out}")
         else:
             names = export_checkpoint(

@@ -15,10 +15,29 @@ from train.config import ConfigError
 LOCK_FILE = ".lock"
 
 
+def _cannot_write(output: pathlib.Path, error: OSError) -> ConfigError:
+    return ConfigError(
+        f"train.output_dir={str(output)!r} cannot be written ({type(error).__name__}: {error.strerror or error} "
+        f"for {error.filename or output}); choose a train.output_dir this user can create and write"
+    )
+
+
+def make_run_directory(output: pathlib.Path) -> None:
+    """Creates OUTPUT (and its parents) if needed; ConfigError naming it when that is not possible."""
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise _cannot_write(output, error) from None
+
+
 @contextlib.contextmanager
 def run_directory_lock(output: pathlib.Path):
-    """Holds OUTPUT/.lock for the block; a second holder gets a ConfigError naming the directory and the process."""
-    fd = os.open(output / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    """Holds OUTPUT/.lock for the block; a second holder gets a ConfigError naming the directory and the process,
+    and a directory where the lock cannot be written one naming it."""
+    try:
+        fd = os.open(output / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as error:
+        raise _cannot_write(output, error) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -28,7 +28,7 @@ from train.config import Config, ConfigError, check_built_mesh, to_dict
 from train.data import build_dataset
 from train.errors import NonFiniteLoss
 from train.flops import flops_per_token, peak_flops_per_device
-from train.lock import run_directory_lock
+from train.lock import make_run_directory, run_directory_lock
 from train.metrics import MetricsLogger
 from train.needle import needle_evaluation
 from train.optimizer import learning_rate_schedule, make_optimizer
@@ -126,7 +126,7 @@ def run(config: Config) -> dict:
         if config.checkpoint.init_from and not resuming
         else None
     )
-    output.mkdir(parents=True, exist_ok=True)
+    make_run_directory(output)
     main_process = jax.process_index() == 0
     with run_directory_lock(output) if main_process else contextlib.nullcontext():
         checkpoints = (

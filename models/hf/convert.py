@@ -13,6 +13,7 @@ import json
 import logging
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -126,11 +127,40 @@ def _read(path: pathlib.Path, plan: dict[str, list], shapes: dict, config) -> di
     return params
 
 
-def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32) -> nnx.Module:
+def _harmless(name: str, config, hf_config: dict) -> bool:
+    """Whether a tensor the model does not read carries nothing it would need: a tied model's saved lm_head copy,
+    a rotary table saved as a buffer, or a DeepSeek multi-token-prediction layer (past num_hidden_layers)."""
+    layer = re.fullmatch(r"model\.layers\.(\d+)\..*", name)
+    extra_layers = hf_config.get("num_nextn_predict_layers", 0) or 0
+    return (
+        (name == "lm_head.weight" and config.tie_embeddings)
+        or name.endswith("rotary_emb.inv_freq")
+        or (layer is not None and config.num_layers <= int(layer[1]) < config.num_layers + extra_layers)
+    )
+
+
+def unused_tensors(path: pathlib.Path, names, config, hf_config: dict, allow_unused: bool) -> None:
+    """Refuses (ValueError naming them) tensors of the checkpoint at `path` the model does not read, unless
+    `allow_unused`: a model that drops weights (e.g. attention biases of another architecture) is another model.
+    Those known to be harmless (`_harmless`) and allowed ones are named in a warning."""
+    names = sorted(names)
+    refused = [name for name in names if not _harmless(name, config, hf_config)]
+    if refused and not allow_unused:
+        raise ValueError(
+            f"{path}: {len(refused)} tensors are not used by the {config.family} model that config.json describes "
+            f"({', '.join(refused[:4])}{', ...' if len(refused) > 4 else ''}): importing would drop them. Check that "
+            f"config.json's architectures names the model these weights belong to; pass --allow-unused to import "
+            f"without them"
+        )
+    if names:
+        log.warning("%s: %d tensors not used by the model, e.g. %s", path, len(names), ", ".join(names[:3]))
+
+
+def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32, *, allow_unused: bool = False) -> nnx.Module:
     """Hugging Face model directory -> our model (models.build of the converted config), parameters in `dtype`.
 
     The model maps tokens [batch, length] (and optional positions / segment_ids) to logits [batch, length, vocab].
-    Tensors the model does not use (e.g. lm_head.weight of a tied model) are named in a warning.
+    Tensors the model does not read are refused (`unused_tensors`) unless harmless or `allow_unused`.
     """
     path = pathlib.Path(path)
     hf_config = read_config(path)
@@ -140,9 +170,8 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32) -> nnx.Module:
     shapes = flatten_dict(nnx.to_pure_dict(state))
     files = weight_map(path)
     plan = _plan(family, config, hf_config, files, shapes, path)
-    unused = sorted(set(files) - {name for entries in plan.values() for name, _, _ in entries})
-    if unused:
-        log.warning("%s: %d tensors not used by the model, e.g. %s", path, len(unused), ", ".join(unused[:3]))
+    used = {name for entries in plan.values() for name, _, _ in entries}
+    unused_tensors(path, set(files) - used, config, hf_config, allow_unused)
     params = _read(path, plan, shapes, config)
     params.update({ours: jnp.zeros(shapes[ours].shape, shapes[ours].dtype) for ours in family.zeros(config)})
     nnx.replace_by_pure_dict(state, unflatten_dict(params))

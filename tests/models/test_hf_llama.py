@@ -11,7 +11,7 @@ import pytest
 import torch
 from flax import nnx
 from flax.traverse_util import flatten_dict
-from safetensors.numpy import load_file
+from safetensors.numpy import load_file, save_file
 from safetensors.torch import load_file as load_torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -215,3 +215,27 @@ def test_unsupported_architecture_and_rope_type_are_named(tmp_path):
     with pytest.raises(ValueError, match="rope type 'dynamic' is not supported; supported rope types: default, llama3"):
         load_pretrained(tmp_path)
     assert cli.main(["import", str(tmp_path), str(tmp_path / "out")]) == 2
+
+
+def test_tensors_the_model_would_drop_are_refused_unless_allowed(tmp_path, capsys):
+    """A Qwen2-style checkpoint (attention biases) whose config.json says Llama: importing would drop the biases,
+    so it is refused with their names; --allow-unused imports without them. A tied model's saved lm_head copy and
+    a rotary buffer are harmless and import with a warning."""
+    hf_llama(tmp_path / "hf", num_attention_heads=4, tie_word_embeddings=True)
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    extra = {f"model.layers.{i}.self_attn.{p}_proj.bias": np.ones(64, np.float32) for i in (0, 1) for p in "qkv"}
+    harmless = {"lm_head.weight": weights["model.embed_tokens.weight"], "model.rotary_emb.inv_freq": np.ones(8)}
+    save_file({**weights, **extra}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"6 tensors are not used by the llama model .*model\.layers\.0\.self_attn"):
+        load_pretrained(tmp_path / "hf")
+    assert cli.main(["import", str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    assert "--allow-unused" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert cli.main(["import", str(tmp_path / "hf"), str(tmp_path / "out"), "--allow-unused"]) == 0
+    save_file({**weights, **harmless}, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    model = load_pretrained(tmp_path / "hf")
+    ids = tokens()
+    np.testing.assert_allclose(
+        np.asarray(model(jnp.asarray(ids))),
+        hf_logits(hf_llama(tmp_path / "again", num_attention_heads=4, tie_word_embeddings=True), ids),
+        atol=1e-4,
+    )

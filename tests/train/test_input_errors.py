@@ -129,3 +129,18 @@ def test_parquet_without_the_text_column_names_file_and_columns(tmp_path, capsys
     assert error_line(capsys) == (
         f"error: {path} has no column 'text' (data.text_field); available columns: ['id', 'body']"
     )
+
+
+@pytest.mark.parametrize("where", ["under a file", "lock is a folder"])
+def test_output_dir_that_cannot_be_written_is_one_line(tmp_path, capsys, where):
+    """A train.output_dir that cannot be created (a file in its path) or whose .lock cannot be written is named in
+    one line, before anything is written there."""
+    (tmp_path / "file").write_text("")
+    output = tmp_path / "file" / "run" if where == "under a file" else tmp_path / "run"
+    if where == "lock is a folder":
+        (output / ".lock").mkdir(parents=True)
+    overrides = [f"train.output_dir={output}", "train.steps=1", "data.max_documents=4", "model.num_layers=1"]
+    assert main([str(TINY), *overrides]) == 2
+    line = error_line(capsys)
+    assert f"train.output_dir={str(output)!r} cannot be written" in line
+    assert ("NotADirectoryError" if where == "under a file" else "IsADirectoryError") in line
