@@ -13,7 +13,7 @@ original_max_position_embeddings only when factor is absent). A zero `mscale` st
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,19 @@ class RopeScalingConfig:
     beta_slow: float = 1.0  # yarn
     mscale: float = 1.0  # yarn
     mscale_all_dim: float = 0.0  # yarn
+
+
+def stretch_scaling(scaling: RopeScalingConfig, covered: int, context_length: int, kind: str) -> RopeScalingConfig:
+    """A rope that covers `covered` positions with `scaling`, stretched to cover `context_length` (> covered): its
+    factor grows by context_length / covered, the other fields kept; an unscaled rope (type none, trained at `covered`
+    positions) becomes `kind` (llama3 or yarn, the type's defaults) with factor context_length / covered over
+    original_max_position_embeddings = covered. For yarn (covering factor x original) and an unscaled rope that is
+    factor = context_length / the original context, the factor YaRN and Llama 3.1 define."""
+    if kind not in SCALINGS[1:]:
+        raise ValueError(f"a rope is stretched with {', '.join(SCALINGS[1:])}, not {kind!r}")
+    if scaling.type == "none":
+        return RopeScalingConfig(type=kind, factor=context_length / covered, original_max_position_embeddings=covered)
+    return replace(scaling, factor=scaling.factor * context_length / covered)
 
 
 def _plain_inverse_frequencies(head_dim: int, theta: float) -> np.ndarray:

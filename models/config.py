@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from layers.rope import RopeScalingConfig
+from layers.rope import RopeScalingConfig, stretch_scaling
 
 
 class ConfigError(ValueError):
@@ -31,6 +31,11 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    # positions the model covers, Hugging Face's max_position_embeddings (an import's comes from its config.json);
+    # 0 = not stated (a yarn rope then covers factor x original_max_position_embeddings)
+    max_position_embeddings: int = 0
+    # positions to extend the model to; 0 = keep its rope. See extend_context.
+    context_length: int = 0
     tie_embeddings: bool = False
     param_dtype: str = "float32"
     # Multi-head latent attention (deepseek; Hugging Face names in comments)
@@ -90,6 +95,8 @@ def check_model(m: ModelConfig) -> None:
     """Ranges and relations between the architecture's fields (choices are checked with the run config)."""
     for key in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)!r} must be > 0")
+    for key in ("max_position_embeddings", "context_length"):
+        require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)!r} must be >= 0")
     for key in ("norm_eps", "rope_theta"):
         require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)!r} must be > 0")
     require(
@@ -108,6 +115,61 @@ def check_model(m: ModelConfig) -> None:
         )
     if m.family == "deepseek":
         _check_deepseek(m)
+
+
+# the rope scaling an unscaled model is stretched with, by family: a type its Hugging Face architecture reads
+STRETCH_SCALING = {"llama": "llama3", "deepseek": "yarn"}
+
+
+def covered_context(m: ModelConfig) -> int:
+    """Positions the model covers: model.max_position_embeddings, else factor x original_max_position_embeddings of a
+    yarn rope; 0 when neither says (what a llama3 rope or none covers is a fact of its training)."""
+    scaling = m.rope_scaling
+    if m.max_position_embeddings or scaling.type != "yarn":
+        return m.max_position_embeddings
+    return round(scaling.factor * scaling.original_max_position_embeddings)
+
+
+def extend_context(m: ModelConfig) -> tuple[ModelConfig, str]:
+    """`m` made to cover model.context_length positions, and one line that says how ("" when context_length is 0).
+
+    A model that covers fewer gets its rope stretched from its own (layers.rope.stretch_scaling: the factor times
+    context_length / what it covers, which for yarn and an unscaled rope is context_length / the original context; an
+    unscaled rope becomes STRETCH_SCALING[family]) and max_position_embeddings = context_length; one that covers them
+    keeps its rope. ConfigError when context_length is below the context the model was trained at, or what the model
+    covers is not stated."""
+    target, scaling = m.context_length, m.rope_scaling
+    if not target:
+        return m, ""
+    covered = covered_context(m)
+    require(
+        covered > 0,
+        f"model.context_length={target} stretches the rope from the positions the model covers, which its "
+        f"rope_scaling {_describe(scaling)} does not say: set model.max_position_embeddings (an import's comes from "
+        f"its config.json)",
+    )
+    trained = covered if scaling.type == "none" else scaling.original_max_position_embeddings
+    require(
+        target >= trained,
+        f"model.context_length={target} is shorter than the {trained} positions the model was trained at; allowed: "
+        f"0 (keep the model's rope) or at least {trained}",
+    )
+    if target <= covered:
+        kept = replace(m, max_position_embeddings=covered)
+        return kept, f"model.context_length={target}: the model's rope ({_describe(scaling)}) covers {covered}; kept"
+    stretched = stretch_scaling(scaling, covered, target, STRETCH_SCALING.get(m.family, "yarn"))
+    return (
+        replace(m, rope_scaling=stretched, max_position_embeddings=target),
+        f"model.context_length={target}: rope scaling {_describe(stretched)}, derived from the model's "
+        f"{_describe(scaling)} covering {covered} positions",
+    )
+
+
+def _describe(scaling: RopeScalingConfig) -> str:
+    """'none', or e.g. 'llama3 factor 8 over 8192' (the factor over original_max_position_embeddings)."""
+    if scaling.type == "none":
+        return "none"
+    return f"{scaling.type} factor {scaling.factor:g} over {scaling.original_max_position_embeddings}"
 
 
 def _check_deepseek(m: ModelConfig) -> None:

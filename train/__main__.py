@@ -140,8 +140,8 @@ def main(argv=None) -> int:
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        # a plan reads no parameters: it needs no checkpoint.init_from (e.g. an import not made yet)
-        config = load_config(args.config, [*args.overrides, *(["checkpoint.init_from="] if args.plan else [])])
+        # a plan reads no parameters: it needs no checkpoint.init_from (e.g. an import not made yet) but the model
+        config = load_config(args.config, args.overrides, init_params=not args.plan)
         if args.plan:
             return plan(config, args.devices, args.device_memory, args.target)
         if args.distributed:

@@ -1,11 +1,16 @@
-"""Config loading: `base:` inheritance, dotted overrides, and each validation error."""
+"""Config loading: `base:` inheritance, dotted overrides, the model of an import (`model_from_init`) extended to
+model.context_length, and each validation error."""
 
+import dataclasses
+import json
+import logging
 import pathlib
 import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 import models
 from layers import moe, rope
@@ -13,7 +18,7 @@ from models import dtypes, remat
 from parallel import experts, kernels, reorder, strategies
 from parallel import plan as plans
 from train import data, sources
-from train.config import CHOICES, ConfigError, load_config
+from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -22,6 +27,20 @@ def write(tmp_path, name, text):
     path = tmp_path / name
     path.write_text(text)
     return path
+
+
+# an imported Llama other than configs/models/tiny.yaml, trained at 256 positions with no rope scaling
+IMPORTED = ModelConfig(vocab_size=384, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=96)
+
+
+def fake_import(directory: pathlib.Path, model: ModelConfig = IMPORTED, max_positions: int = 256) -> pathlib.Path:
+    """What `python -m train.hf import` leaves for a config: model.yaml (max_position_embeddings left 0, as an
+    import made before the field), hf_config.json and tokenizer.json (not read here)."""
+    directory.mkdir(exist_ok=True)
+    write(directory, "model.yaml", yaml.safe_dump({"model": dataclasses.asdict(model)}))
+    write(directory, "hf_config.json", json.dumps({"max_position_embeddings": max_positions}))
+    write(directory, "tokenizer.json", "{}")
+    return directory
 
 
 def test_defaults_without_file():
@@ -54,8 +73,77 @@ def test_int_is_accepted_for_float():
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.rglob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path, tmp_path):
-    # The fine-tune recipes name the import they start from; any existing directory stands in for it here.
-    load_config(path, [f"checkpoint.init_from={tmp_path}"] if path.name.startswith("finetune") else [])
+    # The fine-tune recipes name the import they start from; a stand-in with a model.yaml here.
+    load_config(path, [f"checkpoint.init_from={fake_import(tmp_path)}"] if path.name.startswith("finetune") else [])
+
+
+def test_model_from_init_is_the_lowest_layer(tmp_path):
+    """The import's architecture < the config's keys < the command line; data.tokenizer is the import's."""
+    imported = fake_import(tmp_path / "imported")
+    recipe = write(tmp_path, "recipe.yaml", "model_from_init: true\nmodel: {num_layers: 3, mlp_dim: 128}\n")
+    config = load_config(recipe, [f"checkpoint.init_from={imported}", "model.mlp_dim=192"])
+    assert config.model == dataclasses.replace(IMPORTED, num_layers=3, mlp_dim=192, max_position_embeddings=256)
+    assert config.data.tokenizer == str(imported / "tokenizer.json")
+    assert load_config(recipe, [f"checkpoint.init_from={imported}", "data.tokenizer=byte"]).data.tokenizer == "byte"
+    plain = load_config(recipe, [f"checkpoint.init_from={imported}", "model_from_init=false"])
+    assert plain.model == dataclasses.replace(ModelConfig(), num_layers=3, mlp_dim=128)
+
+
+def test_generic_recipe_takes_the_import_to_128k(tmp_path, caplog):
+    imported = fake_import(tmp_path / "imported")
+    with caplog.at_level(logging.INFO, logger="train.config.load"):
+        config = load_config(CONFIGS / "finetune-128k.yaml", [f"checkpoint.init_from={imported}"])
+    scaling = RopeScalingConfig(type="llama3", factor=512.0, original_max_position_embeddings=256)
+    assert config.model == dataclasses.replace(
+        IMPORTED, rope_scaling=scaling, max_position_embeddings=131072, context_length=131072
+    )
+    assert (config.data.seq_len, config.mesh.context, config.data.packing) == (131072, 8, "first_fit")
+    assert (config.parallel.context_strategy, config.compute.remat_policy) == ("ring", "full")
+    assert (
+        "model.context_length=131072: rope scaling llama3 factor 512 over 256, derived from the model's none "
+        "covering 256 positions" in caplog.messages
+    )
+    # the command line's rope wins over the import's; one that covers 131072 already is kept
+    covered = load_config(
+        CONFIGS / "finetune-128k.yaml",
+        [
+            f"checkpoint.init_from={imported}",
+            "model.rope_scaling={type: yarn, factor: 1024.0, original_max_position_embeddings: 256}",
+        ],
+    )
+    assert covered.model.rope_scaling.factor == 1024.0 and covered.model.max_position_embeddings == 262144
+
+
+def test_a_plan_takes_the_model_from_init_but_not_its_parameters(tmp_path):
+    imported = fake_import(tmp_path / "imported")
+    config = load_config(CONFIGS / "finetune-128k.yaml", [f"checkpoint.init_from={imported}"], init_params=False)
+    assert config.checkpoint.init_from == "" and config.model.embed_dim == IMPORTED.embed_dim
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ([], ["model_from_init: true", "checkpoint.init_from, which is ''", "python -m train.hf import"]),
+        (["checkpoint.init_from={empty}"], ["has no model.yaml", "an import's directory"]),
+        (["checkpoint.init_from={imported}", "model_from_init=maybe"], ["model_from_init='maybe'", "true or false"]),
+        (
+            ["checkpoint.init_from={imported}", "model.context_length=128", "data.seq_len=64"],
+            ["context_length=128", "256 positions", "at least 256"],
+        ),
+        (["checkpoint.init_from={imported}", "data.seq_len=262144"], ["data.seq_len=262144", "context_length=131072"]),
+        (  # a llama3 rope of the command line's: what it covers is not the import's 256
+            ["checkpoint.init_from={imported}", "model.rope_scaling.type=llama3"],
+            ["llama3 factor 1 over 8192", "set model.max_position_embeddings"],
+        ),
+    ],
+)
+def test_model_from_init_errors_name_the_value_and_what_is_allowed(tmp_path, overrides, words):
+    paths = {"imported": fake_import(tmp_path / "imported"), "empty": tmp_path}
+    with pytest.raises(ConfigError) as info:
+        load_config(CONFIGS / "finetune-128k.yaml", [o.format(**paths) for o in overrides])
+    assert "\n" not in str(info.value)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
 
 
 def test_softmax_router_needs_a_frozen_bias():

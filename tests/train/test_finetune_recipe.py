@@ -1,5 +1,6 @@
-"""The 128K fine-tune recipe (configs/finetune-128k-tiny.yaml) runs end to end at a reduced seq_len: a random
-Hugging Face Llama with the tiny sizes is imported, then trained with context parallelism (ring over 8 devices,
+"""The 128K fine-tune recipes run end to end at a reduced seq_len: the generic one (configs/finetune-128k.yaml) takes
+a random Hugging Face Llama of its own sizes to a longer context in one command, resumes and exports; the tiny one
+(configs/finetune-128k-tiny.yaml) trains an import of the tiny sizes with context parallelism (ring over 8 devices,
 load-balanced, whole documents) from its parameters; the full-size recipes load and validate."""
 
 import dataclasses
@@ -12,17 +13,83 @@ import pytest
 import torch
 from flax import nnx
 from flax.traverse_util import flatten_dict
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from models.hf.convert import abstract_model
 from models.hf.llama import config_to_hf
 from train import hf as cli
+from train.__main__ import main
 from train.checkpoint import restore_model_params
 from train.config import RopeScalingConfig, load_config
 from train.loop import run
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = REPO / "configs" / "finetune-128k-tiny.yaml"
+GENERIC = REPO / "configs" / "finetune-128k.yaml"
+
+
+def import_llama(directory: pathlib.Path) -> pathlib.Path:
+    """A random LlamaForCausalLM with vocab 384 and sizes other than configs/models/tiny.yaml's, trained at 256
+    positions with no rope scaling, saved by transformers and imported by the command line; returns the import."""
+    torch.manual_seed(0)
+    hf = LlamaConfig(
+        vocab_size=384,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(hf).save_pretrained(directory / "hf")
+    assert cli.main(["import", str(directory / "hf"), str(directory / "imported")]) == 0
+    return directory / "imported"
+
+
+def test_one_command_takes_an_import_to_a_longer_context_resumes_and_exports(tmp_path, capsys):
+    """The README's command at 1024 tokens (rope stretched 4x, llama3 over the 256 trained positions), ring over
+    mesh.context=2 and fsdp over the other 4 devices; run again with more steps it resumes; its checkpoint exports
+    with the derived rope."""
+    imported = import_llama(tmp_path)
+    command = [
+        str(GENERIC),
+        f"checkpoint.init_from={imported}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "model.context_length=1024",
+        "data.seq_len=1024",
+        "data.max_documents=30",
+        "mesh.context=2",
+        "train.batch_size=4",
+        "train.grad_accum_steps=1",
+        "train.eval_batches=0",
+        "train.sample_tokens=0",
+        "train.progress_bar=false",
+        "checkpoint.every_steps=1",
+        "parallel.block_q=64",
+        "parallel.block_kv=64",
+        "train.peak_tflops_per_device=1",  # the MFU's peak given: no CPU matmul benchmark at start
+    ]
+    assert main([*command, "train.steps=2"]) == 0
+    log = capsys.readouterr().err
+    assert f"the model of {imported / 'model.yaml'}" in log
+    assert "model.context_length=1024: rope scaling llama3 factor 4 over 256, derived from the model's none" in log
+    assert main([*command, "train.steps=3"]) == 0
+    assert "resumed from step 2" in capsys.readouterr().err
+    steps = [
+        m["step"] for m in (json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()) if "loss" in m
+    ]
+    assert steps == [1, 2, 3]  # the second command went on from step 2
+    derived = RopeScalingConfig(type="llama3", factor=4.0, original_max_position_embeddings=256)
+    resolved = load_config(tmp_path / "run" / "config.yaml", ["checkpoint.init_from="])  # as evaluate reads a run
+    assert resolved.model.rope_scaling == derived and resolved.model.embed_dim == 64
+
+    assert cli.main(["export", str(tmp_path / "run" / "checkpoints"), str(tmp_path / "exported")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported").config.to_dict()
+    assert (exported["hidden_size"], exported["vocab_size"], exported["max_position_embeddings"]) == (64, 384, 1024)
+    rope = exported["rope_parameters"]
+    assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("llama3", 4.0, 256)
 
 
 def test_tiny_recipe_fine_tunes_an_imported_checkpoint_with_context_parallelism(tmp_path):

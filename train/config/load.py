@@ -1,12 +1,16 @@
 """Reading a run config: YAML files with `base:` inheritance, dotted overrides, typed sections.
 
+Precedence, lowest first: checkpoint.init_from's import when the config says `model_from_init: true`
+(train/config/imported.py), the config's files (each `base:` under the file that names it), command-line overrides.
 An unknown key or a value of the wrong type raises `ConfigError` naming the key, the value and what is allowed;
-`load_config` then validates the relations between values (train/config/validate.py).
+`load_config` then validates the relations between values (train/config/validate.py) and extends the model to
+model.context_length (models.config.extend_context), logging how.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import types
 import typing
@@ -14,9 +18,12 @@ import warnings
 
 import yaml
 
-from models.config import ConfigError
+from models.config import ConfigError, extend_context, require
+from train.config.imported import MODEL_FROM_INIT, MODEL_YAML, import_layer
 from train.config.schema import Config
 from train.config.validate import validate
+
+log = logging.getLogger(__name__)
 
 
 def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
@@ -96,20 +103,54 @@ def _field_type(keys: list[str]):
     return typing.get_type_hints(cls).get(keys[-1]) if dataclasses.is_dataclass(cls) else None
 
 
-def load_config(path: str | pathlib.Path | None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Reads a YAML config (or the defaults when path is None), applies overrides, validates."""
+def load_config(
+    path: str | pathlib.Path | None, overrides: typing.Sequence[str] = (), *, init_params: bool = True
+) -> Config:
+    """Reads a YAML config (or the defaults when path is None), applies overrides, takes the model from
+    checkpoint.init_from's import when the config says `model_from_init: true`, validates, and extends the model to
+    model.context_length. init_params=False (a plan): nothing reads init_from's parameters, so it is set to "" once
+    the model is taken from it, and need not exist otherwise."""
     raw = _read_yaml(pathlib.Path(path)) if path else {}
     for text in overrides:
-        keys, value = parse_override(text)
-        node = raw
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {text!r}: {key} is not a section")
-        node[keys[-1]] = value
+        _set(raw, *parse_override(text), f"override {text!r}")
+    raw = _over_import(raw)
+    if not init_params:
+        _set(raw, ["checkpoint", "init_from"], "", "init_params=False")
     config = from_dict(Config, raw, "")
     validate(config)
-    return config
+    model, extension = extend_context(config.model)
+    if extension:
+        log.info(extension)
+    return dataclasses.replace(config, model=model)
+
+
+def _set(raw: dict, keys: list[str], value: typing.Any, what: str) -> None:
+    """raw[keys[0]][keys[1]]... = value, making sections on the way; ConfigError (naming `what`) for a non-section."""
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{what}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def _over_import(raw: dict) -> dict:
+    """`raw` merged over checkpoint.init_from's import (imported.import_layer) when it says `model_from_init: true`
+    (the key removed: a resolved config states its whole model). A rope_scaling in `raw` drops the import's
+    max_position_embeddings unless `raw` states that too: it was what the import's rope covers."""
+    wanted = raw.pop(MODEL_FROM_INIT, False)
+    require(isinstance(wanted, bool), f"{MODEL_FROM_INIT}={wanted!r} must be true or false")
+    if not wanted:
+        return raw
+    checkpoint = raw.get("checkpoint")
+    init_from = checkpoint.get("init_from", "") if isinstance(checkpoint, dict) else ""
+    layer = import_layer(init_from)
+    model = raw.get("model")
+    if isinstance(model, dict) and "rope_scaling" in model and "max_position_embeddings" not in model:
+        layer["model"]["max_position_embeddings"] = 0  # it said what the import's rope covers, which is replaced
+    log.info("the model of %s, under the config's model keys", pathlib.Path(init_from) / MODEL_YAML)
+    _merge(layer, raw)
+    return layer
 
 
 # keys that did something once and no longer do: read with a warning (a run directory's config.yaml may hold them)

@@ -94,6 +94,12 @@ def validate(config: Config) -> None:
         require(get(config, key) >= 0, f"{key}={get(config, key)!r} must be >= 0")
     check_model(config.model)
     d, t, o, c = config.data, config.train, config.optimizer, config.checkpoint
+    context = config.model.context_length
+    require(
+        not context or d.seq_len <= context,
+        f"data.seq_len={d.seq_len} is longer than model.context_length={context}, the positions the model is "
+        f"extended to; allowed: data.seq_len <= model.context_length",
+    )
     require(0 <= o.min_lr_ratio <= 1, f"optimizer.min_lr_ratio={o.min_lr_ratio!r} must be in [0, 1]")
     require(0 <= d.eval_fraction < 1, f"data.eval_fraction={d.eval_fraction!r} must be in [0, 1)")
     require(
