@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pathlib
 
 import jax
 
+from train import peers
 from train.config import ConfigError
 
 ENVIRONMENT = {
@@ -67,14 +69,17 @@ def resolve(coordinator: str | None, num_processes: int | None, process_id: int 
     return cluster
 
 
-def initialize(cluster: Cluster) -> None:
-    """Joins the cluster (blocks until every process has joined); CPU collectives across processes use gloo."""
+def initialize(cluster: Cluster, timeouts: peers.Timeouts, checkpoints: pathlib.Path | None) -> None:
+    """Joins the cluster (blocks until every process has joined) and starts watching the peers (train/peers.py;
+    `checkpoints` names the step to resume from when one stops); CPU collectives across processes use gloo."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_enable_recoverability", True)
     try:
         jax.distributed.initialize(
             coordinator_address=cluster.coordinator,
             num_processes=cluster.num_processes,
             process_id=cluster.process_id,
+            heartbeat_timeout_seconds=timeouts.jax_heartbeat_timeout(),
         )
     except (ValueError, RuntimeError) as error:
         raise ConfigError(
@@ -82,3 +87,6 @@ def initialize(cluster: Cluster) -> None:
             f"TPU give --coordinator HOST:PORT, --num-processes N and --process-id I "
             f"(or {', '.join(ENVIRONMENT.values())})"
         ) from None
+    if jax.process_count() > 1:
+        store = jax._src.distributed.global_state.client  # the coordination service's key-value store
+        peers.watch(peers.Watchdog(store, jax.process_index(), jax.process_count(), timeouts, checkpoints))

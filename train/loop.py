@@ -23,6 +23,7 @@ from flax import nnx
 
 from parallel.configure import to_layout
 from parallel.mesh import batch_sharding, make_mesh, process_rows
+from train import peers
 from train.checkpoint import Checkpointer, has_checkpoints, restore_model_params
 from train.config import Config, ConfigError, check_built_mesh, to_dict
 from train.data import build_dataset
@@ -253,6 +254,7 @@ def _loop(config, train_state, mesh, plan, train_iter, evaluation, checkpoints, 
         pending = None  # a non-logged step's metrics, checked for finiteness while the next step runs
         for step in range(start + 1, t.steps + 1):
             state, metrics = train_step(state, device_batch(next(train_iter)))
+            peers.step_finished(step)  # dispatched: a hung collective blocks the loop within two steps
             if pending:
                 record(*pending)
                 pending = None
