@@ -10,6 +10,7 @@ import argparse
 import logging
 import math
 import os
+import pathlib
 import sys
 
 import jax  # importing starts no backend: --plan can still choose the devices
@@ -18,12 +19,23 @@ from models.remat import RematError, check_policy
 from parallel import targets
 from parallel.mesh import AXES, MeshError
 from parallel.targets import TargetError
-from train import distributed, environment
+from train import distributed, environment, peers
 from train.config import ConfigError, load_config
 from train.errors import CheckpointError, DataError, NonFiniteLoss
 from train.memory import format_plan, format_size, parse_size, plan_memory
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
+
+
+def seconds(text: str) -> float:
+    """--peer-timeout / --step-timeout value -> seconds; argparse reports a value that is not a number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 
 
 def device_memory(text: str) -> int:
@@ -104,6 +116,22 @@ def main(argv=None) -> int:
     parser.add_argument("--num-processes", type=int, metavar="N", help="with --distributed: processes in the run")
     parser.add_argument("--process-id", type=int, metavar="I", help="with --distributed: this process, 0..N-1")
     parser.add_argument(
+        "--peer-timeout",
+        type=seconds,
+        default=peers.Timeouts.peer,
+        metavar="S",
+        help="with --distributed: a process silent for S seconds has stopped; the others stop too, with exit "
+        f"status {peers.PEER_LOST} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=seconds,
+        default=peers.Timeouts.step,
+        metavar="S",
+        help="with --distributed: no step finished for S seconds (after the first) means a peer hung; every "
+        f"process stops, with exit status {peers.PEER_LOST} (default %(default)s; 0 = never)",
+    )
+    parser.add_argument(
         "--plan",
         action="store_true",
         help="train nothing: compile the train step on abstract shapes and print the memory per "
@@ -134,6 +162,9 @@ def main(argv=None) -> int:
     cluster_flags = (args.coordinator, args.num_processes, args.process_id)
     if not args.distributed and cluster_flags != (None, None, None):
         parser.error("--coordinator, --num-processes and --process-id go with --distributed")
+    if not args.peer_timeout:
+        parser.error("--peer-timeout must be > 0 seconds")
+    timeouts = peers.Timeouts(peer=args.peer_timeout, step=args.step_timeout)
     environment.set_up()
     # force: an imported library may have configured the root logger already, hiding our INFO lines
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -145,11 +176,13 @@ def main(argv=None) -> int:
         if args.plan:
             return plan(config, args.devices, args.device_memory, args.target)
         if args.distributed:
-            distributed.initialize(distributed.resolve(*cluster_flags))
+            checkpoints = pathlib.Path(config.train.output_dir) / "checkpoints" if config.checkpoint.enabled else None
+            distributed.initialize(distributed.resolve(*cluster_flags), timeouts, checkpoints)
         check_policy(config.compute.remat_policy, jax.default_backend())
         from train.loop import run
 
-        run(config)
+        with peers.reporting():
+            run(config)
     except (ConfigError, MeshError, RematError, DataError, CheckpointError, FileNotFoundError, TargetError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -160,4 +193,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(peers.leave(main()))
