@@ -75,9 +75,10 @@ def check_run_directory(output: pathlib.Path, config: Config) -> None:
     saved = output / "config.yaml"
     if not saved.exists():
         return
-    previous, current = yaml.safe_load(saved.read_text()) or {}, to_dict(config)
+    previous, current, defaults = yaml.safe_load(saved.read_text()) or {}, to_dict(config), to_dict(Config())
     for section, keys in RESUME_KEEPS.items():
-        before, now = previous.get(section) or {}, current[section]
+        # a key the saved config lacks was added since: the run used its default
+        before, now = {**defaults[section], **(previous.get(section) or {})}, current[section]
         for key in sorted(now if keys is None else keys):
             if before.get(key) != now[key]:
                 raise ConfigError(

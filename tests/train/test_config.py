@@ -18,7 +18,8 @@ from models import dtypes, remat
 from parallel import experts, kernels, reorder, strategies
 from parallel import plan as plans
 from train import data, sources
-from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config
+from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config, to_dict
+from train.loop import check_run_directory
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -290,3 +291,15 @@ def test_a_string_key_takes_the_override_as_written(override, key, value):
     assert load_config(None, ["data.seq_len=512"]).data.seq_len == 512
     with pytest.raises(ConfigError, match=r"data\.seq_len='many' has type str; expected int"):
         load_config(None, ["data.seq_len=many"])
+
+
+def test_a_run_directory_from_before_a_key_was_added_resumes(tmp_path):
+    """A run's config.yaml written before model.context_length existed lacks it: the run used the default, so
+    resuming is not refused; a key it holds with another value still is."""
+    config = load_config(CONFIGS / "tiny.yaml")
+    saved = to_dict(config)
+    del saved["model"]["context_length"], saved["model"]["max_position_embeddings"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    check_run_directory(tmp_path, config)
+    with pytest.raises(ConfigError, match=re.escape("model.embed_dim=256, now 128")):
+        check_run_directory(tmp_path, load_config(CONFIGS / "tiny.yaml", ["model.embed_dim=128"]))
