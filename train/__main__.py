@@ -99,7 +99,8 @@ def plan(config, devices: int | None, memory: int | None, target: str | None = N
     return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 
 
-def main(argv=None) -> int:
+def arguments() -> argparse.ArgumentParser:
+    """The command line of `python -m train`."""
     parser = argparse.ArgumentParser(
         prog="python -m train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -156,6 +157,11 @@ def main(argv=None) -> int:
         metavar="SIZE",
         help="with --plan: memory of one device (80GiB, 80GB, 141e9); says whether the step fits",
     )
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = arguments()
     args = parser.parse_intermixed_args(argv)
     if not args.plan and (args.devices is not None or args.device_memory is not None or args.target is not None):
         parser.error("--devices, --device-memory and --target go with --plan")
