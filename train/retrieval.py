@@ -1,4 +1,4 @@
-"""`data.source: retrieval`: synthetic needle-retrieval documents, each one haystack of train/needle.py's `build`.
+"""`data.source: retrieval`: synthetic needle-retrieval documents, each one haystack of train/haystack.py's `build`.
 
 A document is filler sentences with needles ("The special magic number for KEY is VALUE.") at random depths, then
 the question and its answer: exactly the rows `python -m train.evaluate` scores, without the bos. Documents are
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from train.errors import DataError
-from train.needle import TASKS, build
+from train.haystack import TASKS, build
 from train.tokenizer import ByteTokenizer
 
 DOCUMENTS = 100_000

@@ -36,6 +36,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from train.errors import DataError
+from train.retrieval import RetrievalSource
 
 if TYPE_CHECKING:  # the run config imports this module's registries
     from train.config.schema import DataConfig, MixtureComponent
@@ -373,8 +374,6 @@ def open_source(cfg: DataConfig) -> Source:
     if cfg.source == "stdlib":
         source, where = stdlib_source(), "data.source='stdlib'"
     elif cfg.source == "retrieval":
-        from train.retrieval import RetrievalSource  # it builds on train/needle.py, which reads sources
-
         source, where = RetrievalSource(cfg.seq_len), "data.source='retrieval'"
     else:
         path = pathlib.Path(cfg.source).expanduser()

@@ -13,7 +13,8 @@ from parallel.configure import make_plan
 from parallel.mesh import make_mesh
 from tests.train.step_reference import COMPUTE, initial_state, keep_grads
 from train.config import MeshConfig, ModelConfig, ParallelConfig
-from train.needle import TASKS, answer_positions, build, model_predictor, score
+from train.haystack import TASKS, answer_positions, build, score
+from train.needle import model_predictor
 from train.state import abstract_model, abstract_state
 from train.tokenizer import ByteTokenizer
 

@@ -21,6 +21,12 @@ class MixtureComponent:
     max_documents: int | None = None
 
 
+# the values of data.format and data.packing, as train/sources.py and train/data.py implement them (a config
+# is read without importing the data libraries)
+FORMATS = ("auto", "text", "jsonl", "parquet")
+PACKINGS = ("concat", "first_fit")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where text comes from and how it becomes packed rows of `seq_len` tokens."""

@@ -22,9 +22,7 @@ from parallel.mesh import MeshError, check_batch
 from parallel.plan import RING_GRAD_DTYPES
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
-from train.config.schema import Config, MeshConfig
-from train.data import PACKINGS
-from train.sources import FORMATS
+from train.config.schema import FORMATS, PACKINGS, Config, MeshConfig
 
 # key -> the names its registry implements
 CHOICES = {
