@@ -29,8 +29,9 @@ from train import environment
 from train.checkpoint import restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
 from train.errors import CheckpointError, DataError
+from train.haystack import TASKS, needle_grid
 from train.hf import MODEL_YAML, TOKENIZER
-from train.needle import TASKS, filler_tokens, model_predictor, needle_grid
+from train.needle import filler_tokens, model_predictor
 from train.run_plan import run_plan
 from train.state import abstract_model
 from train.tokenizer import make_tokenizer
