@@ -8,18 +8,13 @@ import json
 import math
 import pathlib
 
-import numpy as np
 import pytest
 import torch
-from flax import nnx
-from flax.traverse_util import flatten_dict
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from models.hf.convert import abstract_model
 from models.hf.llama import config_to_hf
 from train import hf as cli
 from train.__main__ import main
-from train.checkpoint import restore_model_params
 from train.config import RopeScalingConfig, load_config
 from train.loop import run
 
@@ -93,6 +88,8 @@ def test_one_command_takes_an_import_to_a_longer_context_resumes_and_exports(tmp
 
 
 def test_tiny_recipe_fine_tunes_an_imported_checkpoint_with_context_parallelism(tmp_path):
+    """Six steps of the recipe (ring over 8 devices, load-balanced, whole documents) at its own learning rate: the
+    first loss is the imported random model's, and the loss falls, which a wrong gradient or rope would stop."""
     recipe = load_config(RECIPE, [f"checkpoint.init_from={tmp_path}"])
     assert recipe.data.seq_len == 131072 and recipe.mesh.context == 8 and recipe.parallel.load_balance
     pretrained = dataclasses.replace(recipe.model, rope_scaling=RopeScalingConfig())  # as trained at 256 tokens
@@ -108,26 +105,21 @@ def test_tiny_recipe_fine_tunes_an_imported_checkpoint_with_context_parallelism(
                 f"train.output_dir={tmp_path / 'run'}",
                 "data.seq_len=512",
                 "data.max_documents=30",
-                "train.steps=2",
-                "checkpoint.every_steps=2",
-                "optimizer.learning_rate=1e-9",
+                "train.steps=6",
+                "train.eval_batches=0",
+                "checkpoint.every_steps=6",
                 "train.progress_bar=false",
                 "parallel.block_q=64",
                 "parallel.block_kv=64",
-                "train.peak_tflops_per_device=1",
+                "train.peak_tflops_per_device=1",  # the MFU's peak given: no CPU matmul benchmark at start
             ],
         )
-    )  # the MFU's peak given: no CPU matmul benchmark at start
+    )
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [m["loss"] for m in metrics if "loss" in m]
-    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
-    assert abs(losses[0] - math.log(recipe.model.vocab_size)) < 1.0  # a random model's loss, not a trained one's
-    shapes = abstract_model(recipe.model)[1]
-    imported = flatten_dict(nnx.to_pure_dict(restore_model_params(tmp_path / "imported", shapes)))
-    trained = flatten_dict(nnx.to_pure_dict(restore_model_params(tmp_path / "run" / "checkpoints", shapes)))
-    assert imported.keys() == trained.keys()
-    for key, value in imported.items():  # learning rate 1e-9: the run still holds the imported parameters
-        np.testing.assert_allclose(trained[key], value, atol=1e-6, err_msg=str(key))
+    assert len(losses) == 6 and all(math.isfinite(loss) for loss in losses)
+    assert abs(losses[0] - math.log(recipe.model.vocab_size)) < 0.1  # the imported random model's loss
+    assert losses[-1] < losses[0] - 0.5, losses
 
 
 @pytest.mark.parametrize("name", ["finetune-128k-llama3.1-8b", "finetune-128k-deepseek-v2-lite"])
