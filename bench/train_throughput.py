@@ -43,7 +43,7 @@ from parallel.mesh import batch_sharding, check_batch, make_mesh
 from train.config import Config, load_config
 from train.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
 from train.optimizer import make_optimizer
-from train.state import create_state, param_count
+from train.state import create_state
 from train.step import make_train_step
 
 BASE_CONFIG = "configs/tiny.yaml"
@@ -185,7 +185,7 @@ def prepare(config: Config, doc_len: int = 0) -> Run:
             jitted.lower(train_state.state, batch).compile(),
             train_state.state,
             batch,
-            param_count(train_state.state),
+            sum(x.size for x in jax.tree.leaves(train_state.state[0].filter(nnx.Param))),
             doc_len,
         )
         timed_step(run)

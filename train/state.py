@@ -62,7 +62,3 @@ def create_state(
     init = jax.jit(lambda: nnx.split(_build(model_config, compute, tx, seed))[1], out_shardings=shardings)
     return TrainState(graphdef, init(), shardings)
 
-
-def param_count(state: nnx.State) -> int:
-    """Number of parameters in the model half of a (model, optimizer) state."""
-    return sum(x.size for x in jax.tree.leaves(state[0].filter(nnx.Param)))

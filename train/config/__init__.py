@@ -2,7 +2,7 @@
 
 from layers.rope import RopeScalingConfig
 from models.config import ComputeConfig, ConfigError, ModelConfig
-from train.config.load import from_dict, load_config, parse_override, to_dict
+from train.config.load import from_dict, load_config, to_dict
 from train.config.schema import (
     CheckpointConfig,
     Config,
@@ -13,7 +13,7 @@ from train.config.schema import (
     ParallelConfig,
     TrainConfig,
 )
-from train.config.validate import CHOICES, check_built_mesh, get, validate
+from train.config.validate import CHOICES, check_built_mesh, validate
 
 __all__ = [
     "CHOICES",
@@ -31,9 +31,7 @@ __all__ = [
     "TrainConfig",
     "check_built_mesh",
     "from_dict",
-    "get",
     "load_config",
-    "parse_override",
     "to_dict",
     "validate",
 ]
