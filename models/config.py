@@ -2,7 +2,7 @@
 (`ComputeConfig`: dtype, remat policy, loss chunk; free to change between restarts of a run).
 
 `check_model` raises `ConfigError` naming the key, the value and what is allowed; the run config
-(train/config.py) calls it before anything compiles.
+(train/config/validate.py) calls it before anything compiles.
 """
 
 from __future__ import annotations

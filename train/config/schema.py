@@ -120,8 +120,9 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How attention runs when the sequence is split over mesh.context (and mesh.ulysses), and whether tensor
-    parallelism scatters the residual stream."""
+    """How the step runs in parallel: attention when the sequence is split over mesh.context (and mesh.ulysses)
+    and the kernel it uses, whether tensor parallelism scatters the residual stream, and how MoE tokens travel to
+    the expert devices."""
 
     context_strategy: str = "none"  # none | all_gather | ring | ulysses | usp
     load_balance: bool = True  # reorder the sequence when mesh.context > 1 so causal work is even
