@@ -16,7 +16,7 @@ import parallel
 from layers.mlp import SwiGLU
 from layers.params import logical_param
 
-# Fan-in scaled truncated normal; for expert kernels [experts, in, out] the experts axis is a batch axis.
+# Fan-in scaled truncated normal; for expert matrices [experts, in, out] the experts axis is a batch axis.
 _router_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 _expert_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", batch_axis=(0,))
 ROUTER_SCORES = ("sigmoid", "softmax")
@@ -32,7 +32,7 @@ def update_router_bias(bias: jax.Array, counts: jax.Array, rate: float) -> jax.A
 
 
 def expert_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array, group_sizes=None) -> jax.Array:
-    """SwiGLU experts, kernels gate / up [experts, embed, mlp], down [experts, mlp, embed]. Batched: x [experts,
+    """SwiGLU experts, matrices gate / up [experts, embed, mlp], down [experts, mlp, embed]. Batched: x [experts,
     rows, embed] -> [experts, rows, embed]; grouped: x [rows, embed] sorted by expert with group_sizes [experts]
     rows each -> [rows, embed] (rows past the groups are padding)."""
     if group_sizes is None:
@@ -158,13 +158,13 @@ class MoE(nnx.Module):
         layout, {"counts": routed assignments per expert [experts], "dropped": assignments past the dispatch
         capacity []}, float32). The routed experts go through `parallel.routed_experts` (tokens move to the
         experts' devices); the shared experts are a SwiGLU with explicit collectives."""
-        kernels = tuple(k[...].astype(self.dtype) for k in (self.experts_gate, self.experts_up, self.experts_down))
+        matrices = tuple(k[...].astype(self.dtype) for k in (self.experts_gate, self.experts_up, self.experts_down))
         y, counts, dropped = parallel.routed_experts(
             x.astype(self.dtype),
             self._route,
             (self.router[...], self.bias[...]),
             expert_swiglu,
-            kernels,
+            matrices,
             num_experts=self.num_experts,
         )
         if self.shared is not None:

@@ -6,9 +6,9 @@ experts, and gets the results back with a second all-to-all: nothing gathers all
 sort spans more than one device's tokens.
 
 Expert-parallel axes: `expert`, then `context`, `ulysses` and `tensor` while the product of their sizes divides
-the number of experts (the rule that shards the kernels' `experts` dimension, parallel/mesh.py). Every other axis
+the number of experts (the rule that shards the matrices' `experts` dimension, parallel/mesh.py). Every other axis
 the tokens are split over (data, fsdp, a sequence axis that does not divide) is data parallelism for the experts:
-their kernels are gathered over it, as FSDP gathers any layer. Where the residual stream is replicated (`tensor`
+their matrices are gathered over it, as FSDP gathers any layer. Where the residual stream is replicated (`tensor`
 without scattering), each copy takes its share of the length and the outputs are all-gathered at the end.
 
 Dispatch (plan.expert_dispatch):
@@ -41,7 +41,7 @@ from parallel.tensor import residual_spec
 
 DISPATCHES = ("capacity", "ragged")
 Route = Callable[..., tuple[jax.Array, jax.Array]]  # (tokens [n, embed], *params) -> (weights [n, k], experts [n, k])
-Ffn = Callable[..., jax.Array]  # (rows, *kernels, group_sizes=None) -> rows, see `routed_experts`
+Ffn = Callable[..., jax.Array]  # (rows, *matrices, group_sizes=None) -> rows, see `routed_experts`
 
 
 def expert_axes(mesh, num_experts: int) -> tuple[str, ...]:
@@ -61,13 +61,13 @@ def receive_rows(tokens: int, k: int, factor: float) -> int:
 
 
 def routed_experts(
-    x: jax.Array, route: Route, route_params, ffn: Ffn, kernels, *, num_experts: int
+    x: jax.Array, route: Route, route_params, ffn: Ffn, matrices, *, num_experts: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Routed experts of the tokens x [batch, length, embed] (residual stream layout).
 
     route(tokens [n, embed], *route_params) -> (weights [n, k] float32, experts [n, k] int32) runs on each device's
-    tokens; ffn(rows [experts, rows, embed], *kernels) -> the same shape runs the experts batched, and
-    ffn(rows [rows, embed], *kernels, group_sizes=[experts]) grouped; kernels: [num_experts, ...] arrays.
+    tokens; ffn(rows [experts, rows, embed], *matrices) -> the same shape runs the experts batched, and
+    ffn(rows [rows, embed], *matrices, group_sizes=[experts]) grouped; matrices: [num_experts, ...] arrays.
     -> (y [batch, length, embed] in x's dtype and layout, routed assignments per expert [experts] float32 and
     dropped assignments float32, both summed over every device)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -78,7 +78,7 @@ def routed_experts(
     if layout is None:  # one device, or a shape that does not split (e.g. a sampled prompt): placed by the partitioner
         tokens = x.reshape(-1, x.shape[-1])
         y, counts, dropped = _chunked(
-            tokens, plan.expert_chunk, lambda t: _dropless(t, route(t, *route_params), ffn, kernels, num_experts)
+            tokens, plan.expert_chunk, lambda t: _dropless(t, route(t, *route_params), ffn, matrices, num_experts)
         )
         return y.reshape(x.shape), counts.astype(jnp.float32), dropped.astype(jnp.float32)
     spec, token_axes, replicated = layout
@@ -87,7 +87,7 @@ def routed_experts(
     dispatch = {"capacity": _capacity, "ragged": _ragged}[plan.expert_dispatch]
     out_spec = PartitionSpec(spec[0], (*_axes(spec[1]), *replicated) or None, *spec[2:])  # the copies, split
 
-    def local(x, route_params, kernels):
+    def local(x, route_params, matrices):
         if replicated:  # each copy takes its share of the length; the partitioner gathers the outputs
             share = x.shape[1] // shares
             x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(replicated) * share, share, axis=1)
@@ -96,8 +96,8 @@ def routed_experts(
         def one_chunk(t):
             assignment = route(t, *route_params)
             if not axes:
-                return _dropless(t, assignment, ffn, kernels, num_experts)
-            return dispatch(t, assignment, ffn, kernels, num_experts, plan.expert_capacity, axes)
+                return _dropless(t, assignment, ffn, matrices, num_experts)
+            return dispatch(t, assignment, ffn, matrices, num_experts, plan.expert_capacity, axes)
 
         y, counts, dropped = _chunked(tokens, plan.expert_chunk, one_chunk)
         counts, dropped = jax.lax.psum((counts, dropped), token_axes + replicated)
@@ -106,7 +106,7 @@ def routed_experts(
     specs = (spec, PartitionSpec(), PartitionSpec(axes or None))
     y, counts, dropped = jax.shard_map(
         local, mesh=mesh, in_specs=specs, check_vma=True, out_specs=(out_spec, PartitionSpec(), PartitionSpec())
-    )(x, tuple(route_params), tuple(kernels))
+    )(x, tuple(route_params), tuple(matrices))
     return jax.lax.with_sharding_constraint(y, spec), counts, dropped
 
 
@@ -164,16 +164,16 @@ def _sort_by_expert(experts: jax.Array, num_experts: int):
     return order, position, jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def _dropless(tokens, assignment, ffn, kernels, num_experts):
+def _dropless(tokens, assignment, ffn, matrices, num_experts):
     """All experts on the local tokens [n, embed], every assignment kept: rows sorted by expert, grouped ffn."""
     weights, experts = assignment
     n, k = experts.shape
     order, position, counts = _sort_by_expert(experts, num_experts)
-    out = ffn(jnp.take(tokens, order // k, axis=0), *kernels, group_sizes=counts)
+    out = ffn(jnp.take(tokens, order // k, axis=0), *matrices, group_sizes=counts)
     return _combine(out, position.reshape(n, k), weights, tokens.dtype), counts, jnp.zeros((), jnp.int32)
 
 
-def _capacity(tokens, assignment, ffn, kernels, num_experts, factor, axes):
+def _capacity(tokens, assignment, ffn, matrices, num_experts, factor, axes):
     """Capacity dispatch of the local tokens [n, embed] to the experts over mesh `axes` (see the module doc)."""
     weights, experts = assignment
     n, k = experts.shape
@@ -190,7 +190,7 @@ def _capacity(tokens, assignment, ffn, kernels, num_experts, factor, axes):
     shards = jax.lax.axis_size(axes)
     local = num_experts // shards
     received = jax.lax.all_to_all(buffer.reshape(shards, local, cap, d), axes, 0, 0, tiled=True)  # [source, ...]
-    out = ffn(received.swapaxes(0, 1).reshape(local, shards * cap, d), *kernels)
+    out = ffn(received.swapaxes(0, 1).reshape(local, shards * cap, d), *matrices)
     out = jax.lax.all_to_all(out.reshape(local, shards, cap, d).swapaxes(0, 1), axes, 0, 0, tiled=True)
     y = _combine(out.reshape(num_experts * cap, d), slot.reshape(n, k), weights, tokens.dtype)
     return y, counts, jnp.sum(rank >= cap)
@@ -235,7 +235,7 @@ def ragged_layout(table: jax.Array, me, rows: int) -> RaggedLayout:
     )
 
 
-def _ragged(tokens, assignment, ffn, kernels, num_experts, factor, axes):
+def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
     """Ragged dispatch of the local tokens [n, embed] to the experts over mesh `axes` (see the module doc)."""
     weights, experts = assignment
     n, k = experts.shape
@@ -254,7 +254,7 @@ def _ragged(tokens, assignment, ffn, kernels, num_experts, factor, axes):
         layout.recv_sizes,
         axis_name=axes,
     )
-    out = ffn(received, *kernels, group_sizes=layout.group_sizes)
+    out = ffn(received, *matrices, group_sizes=layout.group_sizes)
     out = jnp.where(jnp.arange(rows)[:, None] < layout.group_sizes.sum(), out, 0)  # rows past the groups: padding
     back = jax.lax.ragged_all_to_all(
         out,
