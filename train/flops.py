@@ -1,8 +1,11 @@
-"""Model FLOPs per token (for MFU) and the peak FLOP rate of the devices."""
+"""Model FLOPs (for MFU): per token, or of a packed batch from its segment ids; and the peak FLOP rate of the
+devices."""
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -55,32 +58,78 @@ def matmul_params(config) -> int:
     )
 
 
-def flops_per_token(config, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul params + causal attention (counted once, i.e. half of T^2)."""
+def _attention_coefficient(config) -> float:
+    """Training FLOPs of causal attention per squared document length: the forward pass's QK^T and PV over half of
+    the [len, len] square (2 FLOPs per multiply-add, over the query-key plus value head dims, every head and layer),
+    x3 with the backward pass."""
     if config.kv_lora_rank:
         head_dims = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
     else:
         head_dims = 2 * config.head_dim
-    attention = 3 * config.num_layers * config.num_heads * head_dims * seq_len
-    return 6.0 * matmul_params(config) + attention
+    return 3.0 * config.num_layers * config.num_heads * head_dims
 
 
-def peak_flops_per_device(override_tflops: float = 0.0) -> float:
-    """From the config override, the table above, or (CPU) a quick float32 matmul measurement."""
+def flops_per_token(config, doc_len: int) -> float:
+    """Training FLOPs per token of rows made of `doc_len`-token documents: 6 x matmul params + causal attention
+    within each document (half of doc_len^2 per document, as MaxText and torchtitan count it)."""
+    return 6.0 * matmul_params(config) + _attention_coefficient(config) * doc_len
+
+
+def document_lengths(segment_ids) -> np.ndarray:
+    """[batch, length] segment ids (0: padding; a document's tokens share an id within their row) -> [batch, ids]
+    int64: the tokens of each id in each row, id 0 left out (0 where a row lacks an id)."""
+    segment_ids = np.asarray(segment_ids, np.int64)
+    rows, ids = segment_ids.shape[0], int(segment_ids.max(initial=0)) + 1
+    offsets = np.arange(rows)[:, None] * ids
+    return np.bincount((segment_ids + offsets).ravel(), minlength=rows * ids).reshape(rows, ids)[:, 1:]
+
+
+def batch_flops(config, segment_ids) -> float:
+    """Training FLOPs of a batch given its [batch, length] segment ids: 6 x matmul params per position (padding
+    included: the matmuls run on it) + causal attention within each document (a row's documents never attend to
+    each other), the sum over documents of len^2 at flops_per_token's rate."""
+    squares = float(np.sum(document_lengths(segment_ids).astype(np.float64) ** 2))
+    return 6.0 * matmul_params(config) * np.size(segment_ids) + _attention_coefficient(config) * squares
+
+
+class Peak:
+    """The peak FLOP/s of all devices, the denominator of MFU. A rate that steps' model FLOPs reached is a lower
+    bound of the true peak, so a faster one raises `flops` (a CPU rate measured while the machine was busy, or a
+    train.peak_tflops_per_device below the devices' peak) and MFU never exceeds 1."""
+
+    def __init__(self, flops: float):
+        self.flops = flops
+
+    def mfu(self, model_flops_per_sec: float, warn: Callable[[str], None]) -> float:
+        """model FLOP/s / peak, after raising the peak to `model_flops_per_sec` (saying so through `warn`)."""
+        if model_flops_per_sec > self.flops:
+            warn(
+                f"MFU: steps ran {model_flops_per_sec / 1e12:.4g} model TFLOP/s, above the peak of "
+                f"{self.flops / 1e12:.4g} TFLOP/s; the peak is raised to that rate (set "
+                f"train.peak_tflops_per_device to the devices' peak per device)"
+            )
+            self.flops = model_flops_per_sec
+        return model_flops_per_sec / self.flops
+
+
+def peak_flops_per_device(override_tflops: float = 0.0, dtype=np.float32) -> float:
+    """From the config override, the table above, or (CPU) measured: the faster of float32 and `dtype` (the compute
+    dtype) matmuls."""
     if override_tflops > 0:
         return override_tflops * 1e12
     kind = jax.devices()[0].device_kind
     for prefix, flops in PEAK_FLOPS.items():
         if kind.startswith(prefix):
             return flops
-    return _measure_matmul_flops()
+    return max(_measure_matmul_flops(np.dtype(np.float32)), _measure_matmul_flops(np.dtype(dtype)))
 
 
-def _measure_matmul_flops(n: int = 1024, repeats: int = 10) -> float:
-    """Per-device rate of float32 [n, n] matmuls run on all local devices at once (best of `repeats`), so
-    simulated devices sharing the host's cores are measured sharing them."""
+@functools.cache  # once per process and dtype: the devices are the process's for its lifetime
+def _measure_matmul_flops(dtype: np.dtype, n: int = 1024, repeats: int = 10) -> float:
+    """Per-device rate of [n, n] matmuls run on all local devices at once (best of `repeats`), so simulated devices
+    sharing the host's cores are measured sharing them (a per-device rate x the devices = the host's rate)."""
     local = jax.sharding.Mesh(jax.local_devices(), ("d",))  # this process's devices, whatever mesh is set
-    a = jax.device_put(np.ones((local.size, n, n), np.float32), jax.sharding.NamedSharding(local, P("d")))
+    a = jax.device_put(np.ones((local.size, n, n), dtype), jax.sharding.NamedSharding(local, P("d")))
     matmul = jax.jit(lambda x: x @ x)
     best = float("inf")
     with jax.set_mesh(local):

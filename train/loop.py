@@ -21,6 +21,7 @@ import numpy as np
 import yaml
 from flax import nnx
 
+from models.dtypes import compute_dtype
 from parallel.configure import to_layout
 from parallel.mesh import batch_sharding, make_mesh, process_rows
 from train import peers
@@ -28,7 +29,7 @@ from train.checkpoint import Checkpointer, has_checkpoints, restore_model_params
 from train.config import Config, ConfigError, check_built_mesh, to_dict
 from train.data import build_dataset
 from train.errors import NonFiniteLoss
-from train.flops import flops_per_token, peak_flops_per_device
+from train.flops import Peak, batch_flops, peak_flops_per_device
 from train.lock import make_run_directory, run_directory_lock
 from train.metrics import MetricsLogger
 from train.needle import needle_evaluation
@@ -183,14 +184,13 @@ def _loop(config, train_state, mesh, plan, train_iter, evaluation, checkpoints, 
 
     schedule = learning_rate_schedule(config.optimizer, t.steps)
     tokens_per_step = t.batch_size * config.data.seq_len
-    model_flops = flops_per_token(config.model, config.data.seq_len)
-    peak = peak_flops_per_device(t.peak_tflops_per_device) * jax.device_count()
+    peak = Peak(peak_flops_per_device(t.peak_tflops_per_device, compute_dtype(config.compute)) * jax.device_count())
     meta = {"config": to_dict(config)}
     logger = MetricsLogger(
         output, total_steps=t.steps, start_step=start, progress_bar=t.progress_bar, enabled=main_process
     )
     stop = Stop()
-    window = {"start": None, "steps": 0}
+    window = {"start": None, "steps": 0, "flops": 0.0}  # the timed steps since the last logged one
     last: dict = {}
     state = train_state.state
 
@@ -211,9 +211,19 @@ def _loop(config, train_state, mesh, plan, train_iter, evaluation, checkpoints, 
             return False
         return step == t.steps or (bool(t.eval_every_steps) and step % t.eval_every_steps == 0)
 
-    def record(step: int, metrics: dict, eval_state=None) -> None:
+    def rates(elapsed: float) -> dict[str, float]:
+        """tokens_per_sec, mfu (the model FLOPs of the window's batches) and step_time over its timed steps."""
+        return {
+            "tokens_per_sec": window["steps"] * tokens_per_step / elapsed,
+            "mfu": peak.mfu(window["flops"] / elapsed, logger.message),
+            "step_time": elapsed / window["steps"],
+        }
+
+    def record(step: int, metrics: dict, flops: float, eval_state=None) -> None:
         """Checks the loss and the gradient norm are finite (a non-finite gradient has poisoned the update, which is
-        then never saved); at log steps writes metrics (with eval_loss when eval_state is given)."""
+        then never saved); at log steps writes metrics (with eval_loss when eval_state is given): the learning rate
+        the step's update used, and rates only when a step since the last logged one was timed (`flops`: the
+        model FLOPs of the step's batch)."""
         nonlocal last
         values = {key: float(value) for key, value in jax.device_get(metrics).items()}
         if not (math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"])):
@@ -228,33 +238,31 @@ def _loop(config, train_state, mesh, plan, train_iter, evaluation, checkpoints, 
             )
         now = time.perf_counter()
         if window["start"] is None:  # the first step includes compilation: time from after it
-            window.update(start=now, steps=0)
+            window.update(start=now)
         else:
             window["steps"] += 1
+            window["flops"] += flops
         if step % t.log_every_steps and eval_state is None:
             logger.advance(step)
             return
-        elapsed = now - window["start"]
-        rate = window["steps"] * tokens_per_step / elapsed if window["steps"] else 0.0
-        values.update(
-            learning_rate=float(schedule(step - 1)),
-            tokens_per_sec=rate,
-            mfu=rate * model_flops / peak,
-            step_time=elapsed / max(window["steps"], 1),
-        )
+        values["learning_rate"] = float(schedule(step - 1))  # optax counts the updates made before this one
+        if window["steps"]:
+            values.update(rates(now - window["start"]))
         if eval_state is not None:
             values.update(evaluate(eval_state))
             if evaluation.needles:
                 values.update(evaluation.needles(eval_state[0]))
         logger.log(step, values)
         last = {"step": step, **values}
-        window.update(start=time.perf_counter(), steps=0)
+        window.update(start=time.perf_counter(), steps=0, flops=0.0)
 
     stopped = False
     try:
-        pending = None  # a non-logged step's metrics, checked for finiteness while the next step runs
+        pending = None  # a non-logged step's record, checked for finiteness while the next step runs
         for step in range(start + 1, t.steps + 1):
-            state, metrics = train_step(state, device_batch(next(train_iter)))
+            batch = next(train_iter)
+            flops = batch_flops(config.model, batch["segment_ids"])  # on the host while the last step runs
+            state, metrics = train_step(state, device_batch(batch))
             peers.step_finished(step)  # dispatched: a hung collective blocks the loop within two steps
             if pending:
                 record(*pending)
@@ -262,11 +270,13 @@ def _loop(config, train_state, mesh, plan, train_iter, evaluation, checkpoints, 
             stopping = stop.signal is not None  # read once: a signal arriving later is handled after the next step
             save = checkpoints and (step % config.checkpoint.every_steps == 0 or step == t.steps or stopping)
             if save or stopping or wants_eval(step) or step % t.log_every_steps == 0:
-                record(step, metrics, state if wants_eval(step) else None)  # blocks: timing and saving need it
+                record(step, metrics, flops, state if wants_eval(step) else None)  # blocks: timing, saving need it
             else:
-                pending = (step, metrics)
+                pending = (step, metrics, flops)
             if save:
+                began = time.perf_counter()
                 checkpoints.save(step, state, train_iter, meta)
+                window["start"] += time.perf_counter() - began  # a save is no step's time
             if stopping:
                 saved = "checkpoint saved, rerun the same command to resume" if checkpoints else "checkpoints are off"
                 logger.message(f"stopped by signal {stop.signal} at step {step}; {saved}")

@@ -9,13 +9,16 @@ NO_DECAY = ("scale", "bias")  # norm scales and biases are not decayed
 
 
 def learning_rate_schedule(config, total_steps: int) -> optax.Schedule:
-    """0 -> learning_rate over warmup_steps, then cosine to min_lr_ratio * learning_rate at decay_steps."""
+    """count -> the learning rate of update count + 1 (optax counts the updates already made: step s uses
+    schedule(s - 1)). Linear warmup from learning_rate / warmup_steps at the first update to learning_rate at update
+    warmup_steps (no update at 0), then cosine to min_lr_ratio * learning_rate at update decay_steps, held after."""
+    warmup = max(config.warmup_steps, 1)
     decay_steps = config.decay_steps or total_steps
     return optax.warmup_cosine_decay_schedule(
-        init_value=0.0,
+        init_value=config.learning_rate / warmup,
         peak_value=config.learning_rate,
-        warmup_steps=config.warmup_steps,
-        decay_steps=max(decay_steps, config.warmup_steps + 1),
+        warmup_steps=warmup - 1,
+        decay_steps=max(decay_steps - 1, warmup),
         end_value=config.learning_rate * config.min_lr_ratio,
     )
 

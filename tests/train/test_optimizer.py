@@ -1,22 +1,43 @@
-"""Optimizer: schedule shape, weight-decay mask, gradient accumulation equals one big batch."""
+"""Optimizer: schedule shape, the rate each update uses, weight-decay mask, gradient accumulation equals one big
+batch."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import models
 from train.config import ComputeConfig, ModelConfig, OptimizerConfig
-from train.optimizer import decay_mask, learning_rate_schedule
+from train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from train.step import accumulated_grads
 
 
-def test_warmup_then_cosine_to_min_ratio():
+def test_warmup_from_above_zero_then_cosine_to_min_ratio():
+    """schedule(count) is the rate of update count + 1: the first update learns, update 10 is at the peak and the
+    last one (110 = train.steps) at the floor."""
     schedule = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1), 110)
-    assert float(schedule(0)) == 0.0 and float(schedule(5)) == pytest.approx(0.5)
-    assert float(schedule(10)) == pytest.approx(1.0)
-    assert float(schedule(60)) == pytest.approx(0.55, rel=1e-5)  # half way down the cosine
-    assert float(schedule(110)) == pytest.approx(0.1)
+    assert float(schedule(0)) == pytest.approx(0.1) and float(schedule(4)) == pytest.approx(0.5)
+    assert float(schedule(9)) == pytest.approx(1.0)
+    assert float(schedule(59)) == pytest.approx(0.55, rel=1e-5)  # half way down the cosine
+    assert float(schedule(109)) == pytest.approx(0.1) and float(schedule(200)) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("warmup_steps", [0, 1])
+def test_without_warmup_the_first_update_is_at_the_peak(warmup_steps):
+    schedule = learning_rate_schedule(OptimizerConfig(learning_rate=1.0, warmup_steps=warmup_steps), 10)
+    assert float(schedule(0)) == pytest.approx(1.0) and float(schedule(9)) == pytest.approx(0.1)
+
+
+def test_each_update_uses_the_scheduled_rate():
+    """A constant gradient makes Adam's bias-corrected step 1 per element, so each update is -learning rate."""
+    config = OptimizerConfig(learning_rate=0.1, warmup_steps=3, weight_decay=0.0, clip_norm=0.0)
+    tx, schedule = make_optimizer(config, 6), learning_rate_schedule(config, 6)
+    params = {"w": jnp.zeros(4)}
+    state = tx.init(params)
+    for count in range(6):
+        updates, state = tx.update({"w": jnp.ones(4)}, state, params)
+        np.testing.assert_allclose(updates["w"], -float(schedule(count)), rtol=1e-5)
 
 
 def test_weight_decay_spares_norm_scales():

@@ -36,7 +36,7 @@ def accuracy(run: pathlib.Path, out: pathlib.Path) -> float:
 def test_a_tiny_model_learns_to_retrieve_needles(tmp_path):
     run = tmp_path / "run"
     train = ["-m", "train", str(CONFIG), f"train.output_dir={run}", "train.progress_bar=false"]
-    python(*train, "train.steps=1", "optimizer.decay_steps=1000")  # step 1 learns at rate 0: the initial model
+    python(*train, "train.steps=1", "optimizer.decay_steps=1000")  # one update at 1/30 of the rate: untrained
     untrained = accuracy(run, tmp_path / "untrained")
     python(*train, "optimizer.decay_steps=1000")  # resumes: the same 1000 steps as one run
     trained = accuracy(run, tmp_path / "trained")
