@@ -1,20 +1,29 @@
 """Orbax checkpoints: model state, optimizer state, data-iterator state, step and resolved config.
 
-Items of a step directory: `model` and `optimizer` (pure dicts of arrays), `data` (grain iterator state, one
-file per process) and `meta` (JSON: step and the resolved config). Saves are asynchronous and atomic (orbax
+Items of a step directory: `model` and `optimizer` (pure dicts of arrays), `data` (JSON: the grain iterator
+state, the same in every process since each reads the whole batch; process 0 writes it and any number of
+processes restore it; checkpoints written before hold one `process_I-of-N.json` per process, all alike, and one
+of them is read) and `meta` (JSON: step and the resolved config). Saves are asynchronous and atomic (orbax
 writes a temporary directory and renames it when complete), so a kill mid-save leaves the previous
-checkpoints intact. A newest checkpoint that fails to read is moved aside and the one before is used; one that
-reads but holds another structure (a changed optimizer or model) is not damaged, and is refused by name.
+checkpoints intact.
+
+Only a checkpoint whose arrays cannot be read is damaged: training renames it `<step>.corrupt`, logging the
+`mv` that undoes it, and uses the one before. One that reads but holds another structure (a changed optimizer
+or model) or a data position this run cannot use is not damaged: it is refused by step and difference, and
+nothing is moved. Readers of parameters (`restore_model_params`: init_from, evaluation, export) place them on
+the devices of the process that reads them and pass over unreadable steps without moving anything.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import pathlib
 import shutil
+from collections.abc import Callable
+from typing import TypeVar
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -23,6 +32,14 @@ from train.errors import CheckpointError
 from train.memory import format_size
 
 log = logging.getLogger(__name__)
+
+ARRAYS = ("model", "optimizer")  # the items of a step directory that hold arrays
+DATA_FILE = "metadata"  # the file of a JSON item (orbax's JsonCheckpointHandler)
+T = TypeVar("T")
+
+
+class Unreadable(CheckpointError):
+    """A checkpoint's arrays cannot be read (damaged or cut short), as opposed to read but not fitting."""
 
 
 def _pure(state: nnx.State) -> dict:
@@ -70,6 +87,42 @@ def changed_settings(saved: dict, current: dict, sections=("model", "optimizer")
     ]
 
 
+def data_state(path: pathlib.Path) -> dict:
+    """The iterator state in the `data` item of step directory `path`: its JSON, or, in a checkpoint that holds one
+    `process_I-of-N.json` per process (all alike), the first. Raises CheckpointError naming the step and what the
+    item holds instead."""
+    item = path / "data"
+    files = [item / DATA_FILE] if (item / DATA_FILE).is_file() else sorted(item.glob("process_*-of-*.json"))
+    if not files:
+        found = sorted(child.name for child in item.iterdir()) if item.is_dir() else []
+        what = f"its `data` item holds {', '.join(found) or 'nothing'}" if item.is_dir() else "it has no `data` item"
+        raise _unusable_position(path, f"{what}, not {DATA_FILE} or process_I-of-N.json")
+    try:
+        return json.loads(files[0].read_text())
+    except (OSError, ValueError) as error:
+        raise _unusable_position(path, f"{files[0].name} does not read ({_first_line(error)})") from None
+
+
+def set_position(iterator, path: pathlib.Path) -> None:
+    """Sets `iterator` to the data position saved in step directory `path` and starts its prefetching; raises
+    CheckpointError (see `data_state`) when it cannot take it."""
+    state = data_state(path)
+    try:
+        iterator.set_state(state)
+    except Exception as error:  # noqa: BLE001 - grain raises whatever the state's shape provokes
+        raise _unusable_position(path, f"this run's data cannot take it ({_first_line(error)})") from None
+    iterator.start_prefetch()
+
+
+def _unusable_position(path: pathlib.Path, what: str) -> CheckpointError:
+    """A refusal of step directory `path`'s data position: nothing is moved, and the message says what to do."""
+    return CheckpointError(
+        f"checkpoint step {path.name} in {path.parent} has no data position this run can use: {what}. Nothing was "
+        f"moved. To resume from the checkpoint before it, move this one out of the way (mv {path} {path}.unused); "
+        f"to keep its parameters only, start a new train.output_dir with checkpoint.init_from={path}"
+    )
+
+
 class Checkpointer:
     """Saves and restores training state under `directory`, keeping the newest `keep` checkpoints."""
 
@@ -85,8 +138,9 @@ class Checkpointer:
         self.pending: int | None = None  # the step of the last save started
 
     def save(self, step: int, state: nnx.State, data_iterator, meta: dict) -> None:
-        """Starts an asynchronous save of (model, optimizer) state, iterator state and metadata at `step`, once the
-        previous save is complete and the disk has room for this one (else CheckpointError)."""
+        """Starts an asynchronous save of (model, optimizer) state, iterator state (`data_iterator.get_state()`,
+        JSON) and metadata at `step`, once the previous save is complete and the disk has room for this one (else
+        CheckpointError)."""
         self.wait()
         self._check_space(step, state)
         try:
@@ -95,7 +149,7 @@ class Checkpointer:
                 args=ocp.args.Composite(
                     model=ocp.args.StandardSave(_pure(state[0])),
                     optimizer=ocp.args.StandardSave(_pure(state[1])),
-                    data=grain.checkpoint.CheckpointSave(data_iterator),
+                    data=ocp.args.JsonSave(data_iterator.get_state()),
                     meta=ocp.args.JsonSave({"step": step, **meta}),
                 ),
                 force=True,
@@ -130,25 +184,27 @@ class Checkpointer:
     ) -> tuple[int, nnx.State] | None:
         """Restores the newest readable checkpoint into `abstract`'s shapes and shardings, and the iterator.
 
-        Returns (step, state), or None when there is no checkpoint. An unreadable checkpoint is renamed to
-        `<step>.corrupt` with a warning and the next older one is tried. Raises CheckpointError when the newest
-        readable one holds another structure than `abstract` (`config`, the run's resolved config, lets the
-        message name what changed), or when none can be read but some were set aside (now or by an earlier run)."""
+        Returns (step, state), or None when there is no checkpoint. One whose arrays cannot be read is renamed to
+        `<step>.corrupt` with a warning (naming the `mv` that undoes it) and the next older one is tried. Raises
+        CheckpointError, moving nothing, when the newest readable one holds another structure than `abstract`
+        (`config`, the run's resolved config, lets the message name what changed) or a data position
+        `data_iterator` cannot take, and when none can be read but some were set aside (now or by an earlier
+        run)."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             path = self.directory / str(step)
             try:
-                saved = {item: _item_metadata(path / item) for item in ("model", "optimizer")}
+                saved = {item: _item_metadata(path / item) for item in ARRAYS}
             except Exception as error:  # noqa: BLE001 - any failure to read means this checkpoint is unusable
                 self._set_aside(step, error)
                 continue
             self._check_structure(path, saved, abstract, config)
+            set_position(data_iterator, path)  # first: the iterator prefetches while the arrays are read
             try:
                 restored = self.manager.restore(
                     step,
                     args=ocp.args.Composite(
                         model=ocp.args.StandardRestore(_pure(abstract[0])),
                         optimizer=ocp.args.StandardRestore(_pure(abstract[1])),
-                        data=grain.checkpoint.CheckpointRestore(data_iterator),
                     ),
                 )
             except Exception as error:  # noqa: BLE001
@@ -163,7 +219,8 @@ class Checkpointer:
             raise CheckpointError(
                 f"no checkpoint in {self.directory} can be read (set aside: {', '.join(p.name for p in set_aside)}); "
                 f"refusing to start over on top of this run. Move the run directory away (or choose another "
-                f"train.output_dir) to start from step 0"
+                f"train.output_dir) to start from step 0; a step set aside goes back with "
+                f"`mv {self.directory}/STEP.corrupt {self.directory}/STEP`"
             )
         return None
 
@@ -177,7 +234,7 @@ class Checkpointer:
         if not differences:
             return
         try:
-            changes = changed_settings(self._meta(path)["config"], config) if config else []
+            changes = changed_settings(read_meta(path)["config"], config) if config else []
         except Exception:  # noqa: BLE001 - the settings only help the message
             changes = []
         raise CheckpointError(
@@ -188,17 +245,19 @@ class Checkpointer:
             f"checkpoint.init_from={self.directory} (its parameters only)"
         )
 
-    @staticmethod
-    def _meta(path: pathlib.Path) -> dict:
-        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(path / "meta")
-
     def _set_aside(self, step: int, error: Exception) -> None:
-        """Renames an unreadable step directory to `<step>.corrupt` (or `.corrupt.N` beside an older one)."""
+        """Renames a step directory whose arrays cannot be read to `<step>.corrupt` (or `.corrupt.N` beside an older
+        one), logging the `mv` that undoes it."""
         path = self.directory / str(step)
         names = itertools.chain([f"{step}.corrupt"], (f"{step}.corrupt.{n}" for n in itertools.count(1)))
         aside = next(self.directory / name for name in names if not (self.directory / name).exists())
         log.warning(
-            "checkpoint %s cannot be read (%s); moved to %s, trying an older one", path, _first_line(error), aside
+            "checkpoint step %d cannot be read (%s); moved it to %s and trying an older one (to undo: mv %s %s)",
+            step,
+            _first_line(error),
+            aside,
+            aside,
+            path,
         )
         if jax.process_index() == 0 and path.exists():
             path.rename(aside)
@@ -220,36 +279,84 @@ def has_checkpoints(directory: str | pathlib.Path) -> bool:
     return pathlib.Path(directory).is_dir() and bool(ocp.utils.checkpoint_steps(directory))
 
 
-def step_directory(checkpoint: str | pathlib.Path) -> pathlib.Path:
-    """The directory holding a `model` item: CHECKPOINT itself (a step directory or an import), or the newest step
-    directory in it (a run's checkpoints/)."""
+def read_meta(directory: pathlib.Path) -> dict:
+    """The `meta` item (step and resolved config) of step directory `directory`; raises Unreadable when it cannot
+    be read."""
+    try:
+        return ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(directory / "meta")
+    except Exception as error:  # noqa: BLE001 - any failure to read means the item is unusable
+        raise Unreadable(f"cannot read the config in {directory / 'meta'} ({_first_line(error)})") from None
+
+
+def model_directories(checkpoint: str | pathlib.Path) -> list[pathlib.Path]:
+    """The directories with a `model` item that CHECKPOINT names, newest first: CHECKPOINT itself (a step directory
+    or an import), else its step directories (a run's checkpoints/). Raises CheckpointError when there is none."""
     path = pathlib.Path(checkpoint).absolute()
     if (path / "model").is_dir():
-        return path
+        return [path]
     steps = ocp.utils.checkpoint_steps(path) if path.is_dir() else []
     if not steps:
-        raise FileNotFoundError(f"{path} holds no `model` item and no checkpoint step directories")
-    return path / str(max(steps))
+        raise CheckpointError(
+            f"{path} holds no checkpoint: neither a `model` item nor checkpoint step directories"
+            + ("" if path.is_dir() else " (it does not exist)")
+        )
+    return [path / str(step) for step in sorted(steps, reverse=True)]
 
 
-def restore_model_params(path: str | pathlib.Path, abstract_model: nnx.State) -> nnx.State:
-    """Params-only initialisation: the `model` item of `step_directory(path)`, into `abstract_model`'s shapes and
-    shardings. Raises CheckpointError naming the first mismatched parameter, or the item that cannot be read."""
-    item = step_directory(path) / "model"
-    expected = _pure(abstract_model)
+def newest_readable(checkpoint: str | pathlib.Path, read: Callable[[pathlib.Path], T]) -> tuple[pathlib.Path, T]:
+    """(directory, read(directory)) for the newest of `model_directories(checkpoint)` that `read` can read: one
+    that raises Unreadable is passed over with a warning and left where it is. Raises Unreadable (naming each) when
+    none can be read, and any other error of `read` (e.g. a mismatch) at once."""
+    directories = model_directories(checkpoint)
+    failures = []
+    for directory in directories:
+        try:
+            return directory, read(directory)
+        except Unreadable as error:
+            failures.append(error)
+            if directory != directories[-1]:
+                log.warning("%s; trying the checkpoint before it (nothing is moved)", error)
+    if len(failures) == 1:
+        raise failures[0]
+    raise Unreadable(
+        f"no checkpoint in {pathlib.Path(checkpoint).absolute()} can be read: {'; '.join(map(str, failures))}"
+    )
+
+
+def _on_this_process(abstract: dict) -> dict:
+    """`abstract` (a pure dict of abstract arrays) with each leaf that has no sharding placed on this process's
+    first device: orbax would otherwise restore onto the saved sharding, whose devices may not exist here."""
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(
+        lambda leaf: (
+            leaf if leaf.sharding is not None else jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=device)
+        ),
+        abstract,
+    )
+
+
+def read_model_params(directory: pathlib.Path, abstract_model: nnx.State) -> nnx.State:
+    """The `model` item of `directory` (a step directory or an import) in `abstract_model`'s shapes and shardings
+    (this process's first device for a leaf without one). Raises Unreadable when its arrays cannot be read, and
+    CheckpointError naming the first mismatched parameter."""
+    item = directory / "model"
+    expected = _on_this_process(_pure(abstract_model))
     try:
         saved = _item_metadata(item)
     except Exception as error:  # noqa: BLE001 - any failure to read means the item is unusable
-        raise CheckpointError(f"cannot read the parameters in {item} ({_first_line(error)})") from None
+        raise Unreadable(f"cannot read the parameters in {item} ({_first_line(error)})") from None
     difference = structure_difference(saved, expected)
     if difference:
         raise CheckpointError(f"the parameters in {item} do not fit the configured model: {difference}")
     try:
         restored = ocp.StandardCheckpointer().restore(item, expected)
     except Exception as error:  # noqa: BLE001
-        raise CheckpointError(
-            f"cannot read the parameters in {item}: truncated or damaged ({_first_line(error)})"
-        ) from None
+        raise Unreadable(f"cannot read the parameters in {item}: truncated or damaged ({_first_line(error)})") from None
     state = jax.tree.map(lambda x: x, abstract_model)
     nnx.replace_by_pure_dict(state, restored)
     return state
+
+
+def restore_model_params(path: str | pathlib.Path, abstract_model: nnx.State) -> nnx.State:
+    """Params-only initialisation: `read_model_params` of the newest readable of `model_directories(path)`."""
+    return newest_readable(path, lambda directory: read_model_params(directory, abstract_model))[1]

@@ -1,8 +1,9 @@
 """`python -m train.evaluate CHECKPOINT [--config FILE] [--lengths 1024,4096] [--depths 0.1,0.5,0.9] [k=v ...]`: does
 the model retrieve what its context holds? Needle retrieval (train/needle.py) over a grid of lengths x depths for
-each task, on the parameters of a run's newest checkpoint (RUN_DIR), of one step directory
-(RUN_DIR/checkpoints/N) or of an import (`python -m train.hf import`'s OUT), over any mesh the overrides choose
-(e.g. mesh.context=8 parallel.context_strategy=ring for 128K rows).
+each task, on the parameters of a run's newest readable checkpoint (RUN_DIR; a damaged newer one is passed over
+with a warning, and nothing is moved), of one step directory (RUN_DIR/checkpoints/N) or of an import (`python -m
+train.hf import`'s OUT), over any mesh the overrides choose (e.g. mesh.context=8 parallel.context_strategy=ring for
+128K rows), whatever the devices they were saved on. A CHECKPOINT that holds none is named before any data is read.
 
 The run config is --config, else RUN_DIR/config.yaml, else an import's model.yaml with data.tokenizer its
 tokenizer.json (when it has one); checkpoint.init_from is ignored. Writes OUT/needle.json (one record per task,
@@ -26,7 +27,7 @@ import numpy as np
 
 from parallel.mesh import MeshError, make_mesh
 from train import environment
-from train.checkpoint import restore_model_params
+from train.checkpoint import model_directories, restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
 from train.errors import CheckpointError, DataError
 from train.haystack import TASKS, needle_grid
@@ -111,6 +112,7 @@ def evaluate(
     """Runs the needle grid on the checkpoint at `path` (see `locate`; `config_file`: --config) and writes
     needle.json, needle.png and TensorBoard scalars under `out` (default: the Target's); returns the records."""
     target = locate(path, config_file)
+    model_directories(target.checkpoint)  # a run without a checkpoint is named before any data is read
     # the parameters come from `path`: a run's init_from (perhaps since removed) is not read
     config = load_config(target.config, [*target.implied, *overrides, "checkpoint.init_from="])
     tokenizer = make_tokenizer(config.data.tokenizer)

@@ -5,9 +5,11 @@ OUT/model.yaml (the architecture under a top-level `model:` key, for a run confi
 OUT/hf_config.json (the source config.json, whose token ids and max_position_embeddings export carries over) and
 OUT/tokenizer.json when the source has one (for `data.tokenizer`).
 
-export reads CHECKPOINT: an import's OUT, a run's checkpoints/<step>, or a run's checkpoints/ (its newest step).
-The architecture comes from --config if given, else CHECKPOINT/model.yaml (an import), else the resolved config
-a run saves in every checkpoint (its `meta` item).
+export reads CHECKPOINT: an import's OUT, a run's checkpoints/<step>, or a run's checkpoints/ (its newest step
+that can be read: a damaged newer one is passed over with a warning, and nothing is moved), onto this process's
+devices whatever the devices it was saved on, and prints the step it wrote. The architecture comes from --config
+if given, else CHECKPOINT/model.yaml (an import), else the resolved config a run saves in every checkpoint (its
+`meta` item).
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from flax import nnx
 from models.config import ConfigError, ModelConfig
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
 from train import environment
-from train.checkpoint import restore_model_params, step_directory
+from train.checkpoint import newest_readable, read_meta, read_model_params
 from train.config import from_dict, load_config
+from train.errors import CheckpointError
 
 MODEL_YAML = "model.yaml"
 HF_CONFIG = "hf_config.json"
@@ -64,8 +67,7 @@ def checkpoint_config(step_dir: pathlib.Path, config_path: str | pathlib.Path | 
     if (step_dir / MODEL_YAML).is_file():
         return load_config(step_dir / MODEL_YAML).model
     if (step_dir / "meta").is_dir():
-        meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(step_dir / "meta")
-        return from_dict(ModelConfig, meta["config"]["model"], "model.")
+        return from_dict(ModelConfig, read_meta(step_dir)["config"]["model"], "model.")
     raise FileNotFoundError(f"{step_dir} holds neither {MODEL_YAML} nor a run's `meta` item; pass --config")
 
 
@@ -76,17 +78,26 @@ def export_checkpoint(
     config_path: str | pathlib.Path | None = None,
     hf_config: str | pathlib.Path | None = None,
     max_shard_bytes: int = 2**31,
-) -> list[str]:
-    """CHECKPOINT's parameters -> a Hugging Face directory; `hf_config` (default CHECKPOINT/hf_config.json when
-    present) supplies the CARRIED config.json keys. Returns the shard file names."""
-    step_dir = step_directory(checkpoint)
-    config = checkpoint_config(step_dir, config_path)
-    graphdef, abstract = abstract_model(config)
-    model = nnx.merge(graphdef, restore_model_params(step_dir, abstract))
+) -> tuple[pathlib.Path, list[str]]:
+    """CHECKPOINT's parameters (its newest readable step, see `newest_readable`) -> a Hugging Face directory;
+    `hf_config` (default CHECKPOINT/hf_config.json when present) supplies the CARRIED config.json keys. Returns
+    the directory read and the shard file names."""
+    step_dir, model = newest_readable(checkpoint, lambda directory: _read_model(directory, config_path))
     source = pathlib.Path(hf_config) if hf_config else step_dir / HF_CONFIG
     original = json.loads(source.read_text()) if hf_config or source.is_file() else {}
     extra = {key: original[key] for key in CARRIED if key in original}
-    return save_pretrained(model, hf_dir, max_shard_bytes=max_shard_bytes, extra_config=extra)
+    return step_dir, save_pretrained(model, hf_dir, max_shard_bytes=max_shard_bytes, extra_config=extra)
+
+
+def _read_model(step_dir: pathlib.Path, config_path: str | pathlib.Path | None) -> nnx.Module:
+    """The model of `step_dir` (its config from `checkpoint_config`), its parameters on this process's devices."""
+    graphdef, abstract = abstract_model(checkpoint_config(step_dir, config_path))
+    return nnx.merge(graphdef, read_model_params(step_dir, abstract))
+
+
+def _described(step_dir: pathlib.Path) -> str:
+    """`step N of RUN/checkpoints` for a run's step directory, else the directory (an import)."""
+    return f"step {step_dir.name} of {step_dir.parent}" if step_dir.name.isdigit() else str(step_dir)
 
 
 def main(argv=None) -> int:
@@ -119,15 +130,15 @@ def main(argv=None) -> int:
             config = import_checkpoint(args.hf_dir, args.out, args.dtype, allow_unused=args.allow_unused)
             print(f"imported {config.num_layers}-layer {config.family} to {args.out}")
         else:
-            names = export_checkpoint(
+            step_dir, names = export_checkpoint(
                 args.checkpoint,
                 args.hf_dir,
                 config_path=args.config,
                 hf_config=args.hf_config,
                 max_shard_bytes=args.max_shard_bytes,
             )
-            print(f"exported {len(names)} shard(s) to {args.hf_dir}")
-    except (ValueError, FileNotFoundError, ConfigError) as error:
+            print(f"exported {_described(step_dir)} to {args.hf_dir}: {len(names)} shard(s)")
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -1,6 +1,7 @@
 """Multi-process runs: cluster settings from flags and environment, each process's batch rows, and (slow) two
 processes x 4 CPU devices over gloo, killed (-9, both) after a checkpoint and restarted, training exactly like one
-process with 8 devices."""
+process with 8 devices; and a run's checkpoints carried from two processes to one and back (N -> 1 -> N), training
+like one uninterrupted process."""
 
 import os
 import pathlib
@@ -12,11 +13,16 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from flax.traverse_util import flatten_dict
 
+from models.hf.convert import abstract_model
 from parallel.mesh import make_mesh, process_rows
 from tests.train.tiny_run import REPO, SMALL, TINY, records
+from train.checkpoint import restore_model_params
 from train.config import ConfigError, MeshConfig
 from train.distributed import Cluster, resolve
+from train.hf import checkpoint_config
 
 
 def test_flags_override_the_environment():
@@ -79,11 +85,12 @@ def _start(output: pathlib.Path, extra: list[str], processes: int) -> list[subpr
     ]
 
 
-def _finish(runs: list[subprocess.Popen]) -> None:
-    """Waits for every process; fails with the output of one that did not succeed."""
-    for run in runs:
-        out, _ = run.communicate(timeout=600)
+def _finish(runs: list[subprocess.Popen]) -> str:
+    """Waits for every process and returns process 0's output; fails with the output of one that did not succeed."""
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    for run, out in zip(runs, outputs, strict=True):
         assert run.returncode == 0, out[-3000:]
+    return outputs[0]
 
 
 def _kill_when(condition, runs: list[subprocess.Popen], timeout: float = 300) -> None:
@@ -120,3 +127,36 @@ def test_two_processes_killed_and_restarted_train_like_one(tmp_path, mesh):
         assert loss_two == pytest.approx(loss_one, rel=1e-5)
         assert (eval_two is None) == (eval_one is None)
         assert eval_one is None or eval_two == pytest.approx(eval_one, rel=1e-5)
+
+
+def _params(step_dir: pathlib.Path) -> dict:
+    """{path: host array} of the parameters in a run's step directory."""
+    _, abstract = abstract_model(checkpoint_config(step_dir))
+    return {
+        key: np.asarray(value)
+        for key, value in flatten_dict(nnx.to_pure_dict(restore_model_params(step_dir, abstract))).items()
+    }
+
+
+@pytest.mark.slow
+def test_checkpoints_move_from_two_processes_to_one_and_back(tmp_path):
+    """Two processes x 4 devices train to step 2, one process x 8 devices resumes to 4, two processes resume to 6:
+    the losses and the parameters of step 6 equal an uninterrupted one-process run's, and nothing is set aside."""
+    if jax.default_backend() != "cpu":
+        pytest.skip("runs CPU devices")
+    fixed = ["mesh.fsdp=8", "optimizer.decay_steps=6"]  # the schedule does not follow train.steps
+    _finish(_start(tmp_path / "one", fixed, processes=1))
+    output = tmp_path / "moved"
+    for start, steps, processes in ((0, 2, 2), (2, 4, 1), (4, 6, 2)):
+        printed = _finish(_start(output, [*fixed, f"train.steps={steps}"], processes))
+        assert (f"resumed from step {start}" in printed) == (start > 0), printed[-3000:]
+    one, moved = _losses(tmp_path / "one"), _losses(output)
+    assert [step for step, *_ in moved] == list(range(1, 7))
+    for (_, loss_one, eval_one), (_, loss_moved, eval_moved) in zip(one, moved, strict=True):
+        assert loss_moved == pytest.approx(loss_one, rel=1e-5)
+        assert eval_one is None or eval_moved == pytest.approx(eval_one, rel=1e-5)  # (each run evaluates at its end)
+    expected, params = _params(tmp_path / "one" / "checkpoints" / "6"), _params(output / "checkpoints" / "6")
+    assert sorted(params) == sorted(expected)
+    for key, value in expected.items():
+        np.testing.assert_allclose(params[key], value, rtol=1e-4, atol=1e-6, err_msg=str(key))
+    assert not list((output / "checkpoints").glob("*.corrupt*"))

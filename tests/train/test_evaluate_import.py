@@ -1,6 +1,7 @@
 """`python -m train.evaluate` on `python -m train.hf import`'s output: a tiny random Hugging Face Llama with its own
 tokenizer.json is imported, then evaluated with the import's model.yaml and tokenizer, or with a run config named
-by --config; bad input stops with exit status 2 and a message naming it."""
+by --config; bad input (and a run without a checkpoint, before any data is read) stops with exit status 2 and a
+message naming it."""
 
 import json
 import pathlib
@@ -9,10 +10,12 @@ import string
 
 import pytest
 import torch
+import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from train import hf as cli
+from train.config import load_config, to_dict
 from train.evaluate import main as evaluate_main
 
 VOCAB = 128  # below the byte tokenizer's 259 ids: only the import's own tokenizer fits the model
@@ -88,3 +91,13 @@ def test_no_samples_is_refused_before_anything_runs(tmp_path, capsys):
     with pytest.raises(SystemExit):
         evaluate_main([str(tmp_path), "--samples", "0"])
     assert "--samples 0: give at least 1 haystack per grid point" in capsys.readouterr().err
+
+
+def test_a_run_without_a_checkpoint_is_named_before_its_data_is_read(tmp_path, capsys):
+    config = to_dict(load_config(REPO / "configs" / "tiny.yaml"))  # as a run writes it
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    assert evaluate_main([str(tmp_path), *GRID, f"data.source={tmp_path / 'missing.txt'}"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'checkpoints'} holds no checkpoint: neither a `model` item nor checkpoint step "
+        "directories (it does not exist)\n"
+    )

@@ -114,8 +114,8 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(reference, tmp_pa
 
 def test_corrupt_newest_and_leftover_partial_checkpoints_are_skipped(reference, tmp_path):
     """The newest complete checkpoint (6) is corrupt and a partial one (8, no optimizer state) is left over: the
-    partial one is removed without being read, the corrupt one set aside with a warning, and the run resumes
-    from 4."""
+    partial one is removed without being read, the corrupt one set aside with a warning naming the `mv` that
+    undoes it, and the run resumes from 4."""
     finish(tmp_path, steps=6)  # decay_steps is fixed, so stopping at 6 and going on to 8 changes nothing
     checkpoints = tmp_path / "checkpoints"
     for path in (checkpoints / "6" / "model").rglob("*"):
@@ -125,7 +125,7 @@ def test_corrupt_newest_and_leftover_partial_checkpoints_are_skipped(reference, 
     shutil.copytree(checkpoints / "4", partial)
     shutil.rmtree(partial / "optimizer")
     err = finish(tmp_path)
-    assert err.count("cannot be read") == 1 and "6.corrupt" in err
+    assert err.count("cannot be read") == 1 and f"(to undo: mv {checkpoints / '6.corrupt'} {checkpoints / '6'})" in err
     assert (checkpoints / "6.corrupt").is_dir() and not partial.exists()
     assert losses(tmp_path) == reference
 
