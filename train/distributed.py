@@ -73,7 +73,6 @@ def initialize(cluster: Cluster, timeouts: peers.Timeouts, checkpoints: pathlib.
     """Joins the cluster (blocks until every process has joined) and starts watching the peers (train/peers.py;
     `checkpoints` names the step to resume from when one stops); CPU collectives across processes use gloo."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_enable_recoverability", True)
     try:
         jax.distributed.initialize(
             coordinator_address=cluster.coordinator,

@@ -78,6 +78,7 @@ class Watchdog:
         self.seen: dict[int, tuple[int, float]] = {}  # peer -> (its last beat, when it changed)
         self.stopping = threading.Event()
         self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
 
     def finished(self, step: int) -> None:
         self.step, self.step_time = step, self.clock()
@@ -132,7 +133,8 @@ class Watchdog:
             os._exit(PEER_LOST)
 
     def start(self) -> None:
-        threading.Thread(target=self._watch, name="peer-watchdog", daemon=True).start()
+        self.thread = threading.Thread(target=self._watch, name="peer-watchdog", daemon=True)
+        self.thread.start()
 
     def _watch(self) -> None:
         while not self.stopping.wait(self.timeouts.interval):
@@ -141,9 +143,12 @@ class Watchdog:
                 self.stop(line)
 
     def close(self, beat: int = DONE) -> None:
-        """Stops watching and tells the peers this process is done (its silence is then not a failure) or FAILED."""
+        """Stops watching (no look in flight once it returns: JAX's exit-time shutdown may follow) and tells the
+        peers this process is done (its silence is then not a failure) or FAILED."""
         with self.lock:
             self.stopping.set()
+        if self.thread not in (None, threading.current_thread()):
+            self.thread.join()
         with contextlib.suppress(Exception):  # the run is over: a coordinator already gone has nothing to tell
             self.store.key_value_set(f"{PREFIX}{self.process}", f"{beat} {self.step}", allow_overwrite=True)
 
@@ -189,9 +194,14 @@ def watch(watchdog: Watchdog) -> None:
     global _active
     _active = watchdog
     watchdog.start()
+    _on_abort(_ON_ABORT)
+
+
+def _on_abort(handler) -> None:
+    """Installs `handler` for SIGABRT in the C library (None: the default, abort)."""
     libc = ctypes.CDLL(None)
-    libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, type(_ON_ABORT)], ctypes.c_void_p
-    libc.signal(signal.SIGABRT, _ON_ABORT)
+    libc.signal.argtypes, libc.signal.restype = [ctypes.c_int, ctypes.c_void_p], ctypes.c_void_p
+    libc.signal(signal.SIGABRT, None if handler is None else ctypes.cast(handler, ctypes.c_void_p))
 
 
 def step_finished(step: int) -> None:
@@ -207,15 +217,21 @@ def reporting():
     try:
         yield
     except SystemExit:
-        if _active is not None:
-            _active.close()
+        _finish(DONE)
         raise
     except BaseException as error:
         if _active is not None:
             _active.failed(error)
         raise
+    _finish(DONE)
+
+
+def _finish(beat: int) -> None:
+    """The run is over: the watchdog stops and an abort is XLA's again (JAX's exit-time shutdown is not a peer's
+    death, whatever it logs)."""
     if _active is not None:
-        _active.close()
+        _active.close(beat)
+        _on_abort(None)
 
 
 def leave(code: int) -> int:
