@@ -123,6 +123,18 @@ def _unusable_position(path: pathlib.Path, what: str) -> CheckpointError:
     )
 
 
+# XLA status codes of failures outside the checkpoint's files: out of memory, a peer or service gone, a timeout
+NOT_DAMAGE = ("RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "ABORTED", "CANCELLED")
+
+
+def is_damage(error: Exception) -> bool:
+    """Whether a failure to restore a checkpoint's arrays may be its files' fault (so that it is set aside), rather
+    than the process's: out of memory or a distributed runtime error (NOT_DAMAGE)."""
+    if isinstance(error, MemoryError):
+        return False
+    return not (isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith(NOT_DAMAGE))
+
+
 class Checkpointer:
     """Saves and restores training state under `directory`, keeping the newest `keep` checkpoints."""
 
@@ -207,7 +219,13 @@ class Checkpointer:
                         optimizer=ocp.args.StandardRestore(_pure(abstract[1])),
                     ),
                 )
-            except Exception as error:  # noqa: BLE001
+            except Exception as error:
+                if not is_damage(error):
+                    raise CheckpointError(
+                        f"restoring checkpoint step {step} failed ({_first_line(error)}), which says nothing about "
+                        f"its files: nothing was moved. Fix the cause (e.g. memory, a stopped process), then rerun "
+                        f"the same command to resume"
+                    ) from error
                 self._set_aside(step, error)
                 continue
             state = jax.tree.map(lambda x: x, abstract)

@@ -190,3 +190,18 @@ def test_an_export_that_cannot_read_a_checkpoint_says_so_in_one_line(eight_devic
         else f"error: cannot read the parameters in {checkpoints / '40' / 'model'}"
     )
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("error", [MemoryError(), jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")])
+def test_a_restore_that_fails_for_want_of_memory_moves_nothing(two_process_checkpoint, tmp_path, monkeypatch, error):
+    """Running out of memory while reading the arrays is not damage: refused in one line, nothing set aside."""
+    directory = pathlib.Path(shutil.copytree(two_process_checkpoint[0], tmp_path / "checkpoints"))
+    before = listing(directory)
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(ocp.CheckpointManager, "restore", fail)
+    with pytest.raises(CheckpointError, match=rf"restoring checkpoint step {STEP} failed .* nothing was moved"):
+        restore(directory, data_iterator())
+    assert listing(directory) == before
