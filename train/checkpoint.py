@@ -21,6 +21,7 @@ import json
 import logging
 import pathlib
 import shutil
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -376,5 +377,8 @@ def read_model_params(directory: pathlib.Path, abstract_model: nnx.State) -> nnx
 
 
 def restore_model_params(path: str | pathlib.Path, abstract_model: nnx.State) -> nnx.State:
-    """Params-only initialisation: `read_model_params` of the newest readable of `model_directories(path)`."""
-    return newest_readable(path, lambda directory: read_model_params(directory, abstract_model))[1]
+    """Params-only initialisation: `read_model_params` of the newest readable of `model_directories(path)`, whose
+    directory is written to stderr (init_from, evaluation and export all say which step they read)."""
+    directory, params = newest_readable(path, lambda directory: read_model_params(directory, abstract_model))
+    print(f"parameters from {directory}", file=sys.stderr, flush=True)
+    return params

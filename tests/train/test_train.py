@@ -255,6 +255,8 @@ def test_needle_evaluation_of_a_run_writes_records_a_heatmap_and_scalars(trained
     assert [r["accuracy"] for r in records] == [r["accuracy"] for r in expected]
     assert (tmp_path / "needle.png").read_bytes()[:4] == b"\x89PNG"
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert "multi_key      384 tokens  depth 80%" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "multi_key      384 tokens  depth 80%" in captured.out
+    assert f"parameters from {trained / 'checkpoints' / '20'}" in captured.err
     assert evaluate_main([str(tmp_path / "nowhere"), *args]) == 2
     assert "is neither a run directory" in capsys.readouterr().err
