@@ -1,4 +1,4 @@
-"""The local blockwise attention kernel (parallel/blockwise.py) on one device: against dense attention, and
+"""The local blockwise attention kernel (parallel/kernels/blockwise.py) on one device: against dense attention, and
 what block skipping saves on packed rows.
 
 1. Kernel against dense: forward+backward (value and grad of the output's sum w.r.t. q, k, v) of the kernel
@@ -89,7 +89,8 @@ def random_qkv(length: int, heads: int, seed: int = 0):
 
 
 def kernel_out(q, k, v):
-    return kernels.attention(q, k, v, kernel="blockwise", causal=True, block_q=512, block_kv=512)[0]
+    options = kernels.Options(causal=True, block_q=512, block_kv=512)
+    return kernels.attention(q, k, v, options=options, kernel="blockwise")[0]
 
 
 def xla_out(q, k, v):
@@ -179,17 +180,8 @@ def visited_pairs(segment_ids: np.ndarray, block: int) -> int:
 
 
 def kernel_with_ids(q, k, v, seg):
-    return kernels.attention(
-        q,
-        k,
-        v,
-        q_segment_ids=seg,
-        kv_segment_ids=seg,
-        kernel="blockwise",
-        causal=True,
-        block_q=PACK_BLOCK,
-        block_kv=PACK_BLOCK,
-    )[0]
+    options = kernels.Options(causal=True, block_q=PACK_BLOCK, block_kv=PACK_BLOCK)
+    return kernels.attention(q, k, v, kernels.Tokens(seg), kernels.Tokens(seg), options, kernel="blockwise")[0]
 
 
 def packing(args: argparse.Namespace) -> tuple[str, list[tuple[str, str, float]]]:

@@ -170,17 +170,9 @@ def all_gather_local(cp: int, args: argparse.Namespace) -> Memory:
     kv_shape = jax.ShapeDtypeStruct((1, args.length, args.heads, args.head_dim), args.dtype)
 
     def fn(q, k, v):
-        return kernels.attention(
-            q,
-            k,
-            v,
-            q_index=jnp.asarray(index[:n]),
-            kv_index=jnp.asarray(index),
-            kernel="blockwise",
-            causal=True,
-            block_q=args.block,
-            block_kv=args.block,
-        )[0]
+        sides = (kernels.Tokens(index=jnp.asarray(index[:n])), kernels.Tokens(index=jnp.asarray(index)))
+        options = kernels.Options(causal=True, block_q=args.block, block_kv=args.block)
+        return kernels.attention(q, k, v, *sides, options, kernel="blockwise")[0]
 
     return memory_of("kernel: T/cp queries x T keys", 1, loss_grad(fn).lower(q_shape, kv_shape, kv_shape).compile())
 

@@ -36,26 +36,21 @@ def causal_flops(doc_lengths, heads: int, head_dim: int) -> float:
 
 def implementations(args, packed_ids) -> dict:
     """name -> (fn(q, k, v) -> out, document lengths of the row it attends)."""
-    pallas = functools.partial(kernels.attention, kernel="pallas", interpret=args.interpret, causal=True)
+    pallas = functools.partial(kernels.attention, kernel="pallas", interpret=args.interpret)
+    packed = kernels.Tokens(packed_ids)
     runs = {
         "pallas": (lambda q, k, v: pallas(q, k, v)[0], None),
-        "pallas, packed": (
-            lambda q, k, v: pallas(q, k, v, q_segment_ids=packed_ids, kv_segment_ids=packed_ids)[0],
-            args.doc_len,
-        ),
-        "blockwise": (lambda q, k, v: kernels.attention(q, k, v, kernel="blockwise", causal=True)[0], None),
+        "pallas, packed": (lambda q, k, v: pallas(q, k, v, packed, packed)[0], args.doc_len),
+        "blockwise": (lambda q, k, v: kernels.attention(q, k, v, kernel="blockwise")[0], None),
     }
     if not args.interpret:
         runs["cudnn"] = (
             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"),
             None,
         )
-        ours = functools.partial(kernels.attention, kernel="cudnn", causal=True)
+        ours = functools.partial(kernels.attention, kernel="cudnn")
         runs["cudnn kernel"] = (lambda q, k, v: ours(q, k, v)[0], None)
-        runs["cudnn kernel, packed"] = (
-            lambda q, k, v: ours(q, k, v, q_segment_ids=packed_ids, kv_segment_ids=packed_ids)[0],
-            args.doc_len,
-        )
+        runs["cudnn kernel, packed"] = (lambda q, k, v: ours(q, k, v, packed, packed)[0], args.doc_len)
     return runs
 
 

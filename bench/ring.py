@@ -122,16 +122,12 @@ def kernel_steps(mesh, args):
     index = layout_index(args.length, cp, "dual_chunk").reshape(cp, -1)
 
     def local(q, k, v):
-        call = dict(kernel="blockwise", block_q=args.block, block_kv=args.block, causal=True)
-        out = kernels.attention(q, k, v, q_index=jnp.asarray(index[0]), kv_index=jnp.asarray(index[0]), **call)[0]
+        options = kernels.Options(causal=True, block_q=args.block, block_kv=args.block)
+        piece = [kernels.Tokens(index=jnp.asarray(rank_index)) for rank_index in index]
+        out = kernels.attention(q, k, v, piece[0], piece[0], options, kernel="blockwise")[0]
         for step in range(1, cp):
             k = k * (1 + 1e-3 * step)  # a different key piece each step, as in the ring (no common subexpressions)
-            out = (
-                out
-                + kernels.attention(q, k, v, q_index=jnp.asarray(index[0]), kv_index=jnp.asarray(index[step]), **call)[
-                    0
-                ]
-            )
+            out = out + kernels.attention(q, k, v, piece[0], piece[step], options, kernel="blockwise")[0]
         return out
 
     return grad_fn(jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False))

@@ -65,10 +65,8 @@ def _attention_grads(kernel, blocks: dict, q, k, v, q_seg, kv_seg, q_index, kv_i
 
     def loss(q, k, v, *traced):
         indices = (q_index, kv_index) if static else traced
-        out, lse = kernels.attention(
-            q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=indices[0], kv_index=indices[1],
-            kernel=kernel, **blocks,
-        )  # fmt: skip
+        sides = (kernels.Tokens(q_seg, indices[0]), kernels.Tokens(kv_seg, indices[1]))
+        out, lse = kernels.attention(q, k, v, *sides, kernels.Options(**blocks), kernel=kernel)
         finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * weights) + jnp.sum(finite), (out, lse)
 

@@ -1,12 +1,14 @@
 """One attention kernel interface for every strategy: `attention` (differentiable in q, k, v and lse) and, through
 `select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
-lse). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs them on CPU), cuDNN flash
-attention on packed rows (parallel/kernels/cudnn.py; GPU, Hopper; Pallas for the calls it cannot serve), and the
-blockwise kernel (parallel/blockwise.py), the CPU kernel and the reference. `auto` picks by the devices a step
-compiles for (see select)."""
+lse). Every kernel takes q, k, v, each side's `Tokens` (segment ids and global indices) and the call's `Options`
+(parallel/kernels/arguments.py). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs
+them on CPU), cuDNN flash attention on packed rows (parallel/kernels/cudnn.py; GPU, Hopper; Pallas for the calls it
+cannot serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU kernel and the reference. `auto`
+picks by the devices a step compiles for (see select)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
@@ -15,17 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parallel import blockwise
-from parallel.kernels import cudnn, pallas
+from parallel.kernels import blockwise, cudnn, pallas
+from parallel.kernels.arguments import Options, Tokens
 
 KERNELS = ("auto", "pallas", "blockwise", "cudnn")
 
 
 class Kernel(NamedTuple):
-    """forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, out_dtype=None) ->
-    (out, lse); backward(..., out, lse, dout, dlse, *, causal, scale, block_q, block_kv, grad_dtype=None,
-    accumulate=None) -> (dq, dk, dv), or given running sums accumulate=(dq, dk, dv), those sums plus them:
-    parallel.blockwise.forward / backward's signatures."""
+    """forward(q, k, v, q_tokens, kv_tokens, *, options, out_dtype=None) -> (out, lse); backward(q, k, v, q_tokens,
+    kv_tokens, out, lse, dout, dlse, *, options, grad_dtype=None, accumulate=None) -> (dq, dk, dv), or given running
+    sums accumulate=(dq, dk, dv), those sums plus them: parallel.kernels.blockwise.forward / backward's signatures,
+    with Tokens and Options all given."""
 
     name: str
     forward: Callable
@@ -109,28 +111,16 @@ def _or(kernel: Callable, fallback: Callable) -> Callable:
 
 
 def attention(
-    q,
-    k,
-    v,
-    *,
-    q_segment_ids=None,
-    kv_segment_ids=None,
-    q_index=None,
-    kv_index=None,
-    causal=True,
-    scale=None,
-    kernel: str | Kernel = "auto",
-    interpret=False,
-    backend=None,
-    block_q=256,
-    block_kv=256,
-):
+    q, k, v, q_tokens: Tokens | None = None, kv_tokens: Tokens | None = None, options: Options | None = None, *,
+    kernel: str | Kernel = "auto", interpret=False, backend=None,
+):  # fmt: skip
     """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
     (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).
 
-    segment_ids: [batch, t] int32 (0 = padding; None = one document); index: [t] int32 global token index
-    (None = 0..t-1). A query with no visible key gets zeros and lse = -inf. `kernel`: a Kernel, or one of KERNELS
-    selected for devices of platform `backend` (None: JAX's default; see select).
+    q_tokens / kv_tokens: each side's segment ids [batch, t] (0 = padding) and global indices [t]; None (the side or
+    a field) = one document, indices 0..t-1. options: None = Options() (causal, blocks of 256); scale None = dqk **
+    -0.5. A query with no visible key gets zeros and lse = -inf. `kernel`: a Kernel, or one of KERNELS selected for
+    devices of platform `backend` (None: JAX's default; see select).
     """
     batch, tq, heads, dqk = q.shape
     tk, kv_heads = k.shape[1], k.shape[2]
@@ -138,35 +128,51 @@ def attention(
         raise ValueError(f"query heads {heads} must be a multiple of key/value heads {kv_heads}")
     if k.shape[-1] != dqk or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
-    q_segment_ids = jnp.ones((batch, tq), jnp.int32) if q_segment_ids is None else q_segment_ids
-    kv_segment_ids = jnp.ones((batch, tk), jnp.int32) if kv_segment_ids is None else kv_segment_ids
-    indices = (np.arange(tq) if q_index is None else q_index, np.arange(tk) if kv_index is None else kv_index)
-    known = tuple(cudnn.known_at_trace_time(index) for index in indices)
-    static = dict(causal=causal, scale=float(dqk**-0.5 if scale is None else scale), block_q=block_q, block_kv=block_kv)
-    segment_ids = (q_segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32))
+    options = Options() if options is None else options
+    options = dataclasses.replace(options, scale=float(dqk**-0.5 if options.scale is None else options.scale))
+    sides = (_filled(q_tokens, batch, tq), _filled(kv_tokens, batch, tk))
+    known = tuple(cudnn.known_at_trace_time(side.index) for side in sides)
     impl = kernel if isinstance(kernel, Kernel) else select(kernel, interpret=interpret, backend=backend)
     if all(index is not None for index in known):
-        return _attention(impl, static, tuple(index.astype(np.int32) for index in known), q, k, v, *segment_ids)
-    return _attention(impl, static, None, q, k, v, *segment_ids, *(jnp.asarray(i, jnp.int32) for i in indices))
+        static = tuple(index.astype(np.int32) for index in known)
+        return _attention(impl, options, static, q, k, v, *(side._replace(index=None) for side in sides))
+    traced = (side._replace(index=jnp.asarray(side.index, jnp.int32)) for side in sides)
+    return _attention(impl, options, None, q, k, v, *traced)
+
+
+def _filled(tokens: Tokens | None, batch: int, length: int) -> Tokens:
+    """`tokens` of a side of `length` with None filled in: segment ids int32 (one document), indices 0..length-1
+    (numpy; given ones as they are)."""
+    tokens = Tokens() if tokens is None else tokens
+    seg = jnp.ones((batch, length), jnp.int32) if tokens.segment_ids is None else tokens.segment_ids
+    return Tokens(seg.astype(jnp.int32), np.arange(length) if tokens.index is None else tokens.index)
+
+
+def _sides(static, q_tokens: Tokens, kv_tokens: Tokens) -> tuple[Tokens, Tokens]:
+    """The two sides as the kernel takes them: with the static (q_index, kv_index) in place when not None."""
+    if static is None:
+        return q_tokens, kv_tokens
+    return q_tokens._replace(index=static[0]), kv_tokens._replace(index=static[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(impl: Kernel, static: dict, known, q, k, v, q_seg, kv_seg, *indices):
-    """known: (q_index, kv_index) numpy when fixed at trace time (so the kernel sees them static; `indices` is then
-    empty), else None and `indices` holds them traced."""
-    return impl.forward(q, k, v, q_seg, kv_seg, *(known or indices), **static)
+def _attention(impl: Kernel, options: Options, static, q, k, v, q_tokens: Tokens, kv_tokens: Tokens):
+    """static: (q_index, kv_index) numpy when both are fixed at trace time (so the kernel sees them static; the
+    tokens' own indices are then None), else None and the tokens hold them traced."""
+    return impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options)
 
 
-def _attention_fwd(impl, static, known, q, k, v, q_seg, kv_seg, *indices):
-    out, lse = impl.forward(q, k, v, q_seg, kv_seg, *(known or indices), **static)
-    return (out, lse), (q, k, v, q_seg, kv_seg, indices, out, lse)
+def _attention_fwd(impl, options, static, q, k, v, q_tokens, kv_tokens):
+    out, lse = impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options)
+    return (out, lse), (q, k, v, q_tokens, kv_tokens, out, lse)
 
 
-def _attention_bwd(impl, static, known, residuals, cotangents):
-    q, k, v, q_seg, kv_seg, indices, out, lse = residuals
+def _attention_bwd(impl, options, static, residuals, cotangents):
+    q, k, v, q_tokens, kv_tokens, out, lse = residuals
     dout, dlse = cotangents
-    dq, dk, dv = impl.backward(q, k, v, q_seg, kv_seg, *(known or indices), out, lse, dout, dlse, **static)
-    return dq, dk, dv, None, None, *(None for _ in indices)
+    sides = _sides(static, q_tokens, kv_tokens)
+    dq, dk, dv = impl.backward(q, k, v, *sides, out, lse, dout, dlse, options=options)
+    return dq, dk, dv, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -28,7 +28,7 @@ whose VJP drops the softmax statistics' cotangent. What the primitives give and 
   position within the segment. It maps to and from lse [batch, tq, heads].
 - Tokens in no segment come back as garbage: out / grads zeroed there, lse = -inf.
 - dlse: the backward computes delta_i = dout_i . out_i itself, and d score_ij = p_ij (dp_ij - (delta_i - dlse_i))
-  (parallel.blockwise.backward). So two extra value features carry it exactly: dout = 1 and out = -hi, -lo with
+  (parallel.kernels.blockwise.backward). So two extra value features carry it exactly: dout = 1 and out = -hi, -lo with
   hi + lo = dlse (hi in the input dtype, lo the remainder), V = 0 there, so dp is unchanged, delta gains -dlse,
   and the matching dV columns are dropped.
 
@@ -46,7 +46,8 @@ import numpy as np
 from jax import lax
 from jax._src.cudnn import fused_attention_stablehlo as fa
 
-from parallel import blockwise
+from parallel.kernels import blockwise
+from parallel.kernels.arguments import Options, Tokens
 from parallel.lse_merge import merge
 from parallel.segments import INT32_MAX, seqlens_offsets
 
@@ -152,9 +153,10 @@ def _cond(visible, served, nothing, *operands):
     return lax.cond(visible, served, nothing, *operands)
 
 
-def runtime_kind(q_index, kv_index, q_seg, kv_seg, causal: bool = True):
-    """Traced call_kind: [tq], [tk] indices, [batch, t] ids -> int32 DIAGONAL, ALL_VISIBLE or GENERAL (HALVES is
-    decided by `_switch`)."""
+def runtime_kind(q: Tokens, kv: Tokens, causal: bool = True):
+    """Traced call_kind of two sides' tokens (traced [t] indices, [batch, t] ids) -> int32 DIAGONAL, ALL_VISIBLE or
+    GENERAL (HALVES is decided by `_switch`)."""
+    (q_seg, q_index), (kv_seg, kv_index) = q, kv
     increasing = _increasing(q_index) & _increasing(kv_index)
     all_visible = increasing & ((jnp.max(kv_index) <= jnp.min(q_index)) | (not causal))
     if q_index.shape != kv_index.shape or q_seg.shape != kv_seg.shape or not causal:
@@ -247,14 +249,15 @@ def _operands(q, k, v, width: int):
     )
 
 
-def _switch(kind, q_index, kv_index, q_seg, kv_seg, causal: bool, max_segments: int, by_kind: dict, *operands):
+def _switch(kind, q: Tokens, kv: Tokens, causal: bool, max_segments: int, by_kind: dict, *operands):
     """Runs by_kind[k](*operands) for the call's kind k: the static `kind` (then only it and GENERAL are compiled; a
-    DIAGONAL whose query and key segment ids differ is GENERAL), or the kind decided from the traced indices when
-    None (only the kinds the call's shapes allow are compiled: a non-causal call is ALL_VISIBLE or GENERAL, the
-    DIAGONAL needs as many keys as queries, halves at least two of each); GENERAL (the general kernel) when a row
-    has more segments than max_segments."""
+    DIAGONAL whose query and key segment ids differ is GENERAL), or the kind decided from the traced indices of
+    sides q and kv when None (only the kinds the call's shapes allow are compiled: a non-causal call is ALL_VISIBLE
+    or GENERAL, the DIAGONAL needs as many keys as queries, halves at least two of each); GENERAL (the general
+    kernel) when a row has more segments than max_segments."""
+    (q_seg, q_index), (kv_seg, kv_index) = q, kv
     if kind is None:
-        kind, kinds = runtime_kind(q_index, kv_index, q_seg, kv_seg, causal), (ALL_VISIBLE, GENERAL)
+        kind, kinds = runtime_kind(q, kv, causal), (ALL_VISIBLE, GENERAL)
         if causal:
             halves = _increasing(q_index) & _increasing(kv_index) & jnp.all(quarters(q_index, kv_index)[0])
             kind = jnp.where((kind == GENERAL) & halves, HALVES, kind)
@@ -356,26 +359,27 @@ def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scal
 
 
 def forward(
-    q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, out_dtype=None,
-    max_segments=MAX_SEGMENTS, primitives=CUDNN, general=blockwise.forward,
+    q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, out_dtype=None, max_segments=MAX_SEGMENTS,
+    primitives=CUDNN, general=blockwise.forward,
 ):  # fmt: skip
-    """parallel.blockwise.forward's arguments and results: (out [b, tq, h, dv] in `out_dtype` (default q's), lse
-    [b, tq, h] float32). Raises Unservable for static indices cuDNN cannot mask (see call_kind); traced ones that
+    """parallel.kernels.blockwise.forward's arguments and results: (out [b, tq, h, dv] in `out_dtype` (default q's),
+    lse [b, tq, h] float32). Raises Unservable for static indices cuDNN cannot mask (see call_kind); traced ones that
     turn out general, and rows with more than max_segments segments, run `general` (a forward of the same
-    signature: the blockwise kernel, or Pallas on GPU)."""
+    signature: the blockwise kernel, or Pallas on GPU). The served kinds and the switch between them see the
+    segment ids only; the indices stay as given (static or traced)."""
     max_segments = max(2, max_segments)
-    kind = call_kind(q_index, kv_index, causal)
+    kind = call_kind(q_tokens.index, kv_tokens.index, options.causal)
     _check(q, v.shape[-1], primitives)
-    served = functools.partial(_served_forward, scale=scale, max_segments=max_segments, primitives=primitives)
+    served = functools.partial(_served_forward, scale=options.scale, max_segments=max_segments, primitives=primitives)
 
     def general_call(q, k, v, q_seg, kv_seg):
         """The general kernel on the same operands: (out [b, tq, h, dv], lse [b, tq, h])."""
-        static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv)
-        return general(q, k, v, q_seg, kv_seg, q_index, kv_index, **static, out_dtype=q.dtype)
+        sides = (q_tokens._replace(segment_ids=q_seg), kv_tokens._replace(segment_ids=kv_seg))
+        return general(q, k, v, *sides, options=options, out_dtype=q.dtype)
 
     def halves(q, k, v, q_seg, kv_seg):
         """The all-visible quarters, merged: (out [b, tq, h, dv], lse [b, tq, h])."""
-        visible = quarters(q_index, kv_index)[1]
+        visible = quarters(q_tokens.index, kv_tokens.index)[1]
         outs, lses = [], []
         for i, qs in enumerate(_halves(q.shape[1])):
             out = jnp.zeros((*q[:, qs].shape[:3], v.shape[-1]), jnp.float32)
@@ -390,26 +394,27 @@ def forward(
 
     by_kind = {DIAGONAL: functools.partial(served, DIAGONAL), ALL_VISIBLE: functools.partial(served, ALL_VISIBLE)}
     by_kind |= {GENERAL: general_call, HALVES: halves}
-    out, lse = _switch(kind, q_index, kv_index, q_seg, kv_seg, causal, max_segments, by_kind, q, k, v, q_seg, kv_seg)
+    segment_ids = (q_tokens.segment_ids, kv_tokens.segment_ids)
+    out, lse = _switch(kind, q_tokens, kv_tokens, options.causal, max_segments, by_kind, q, k, v, *segment_ids)
     return out.astype(out_dtype or q.dtype), lse
 
 
 def backward(
-    q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, *, causal, scale, block_q, block_kv,
-    grad_dtype=None, accumulate=None, max_segments=MAX_SEGMENTS, primitives=CUDNN, general=blockwise.backward,
+    q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, grad_dtype=None,
+    accumulate=None, max_segments=MAX_SEGMENTS, primitives=CUDNN, general=blockwise.backward,
 ):  # fmt: skip
-    """parallel.blockwise.backward's arguments and results: (dq, dk, dv) given the final out / lse and their
+    """parallel.kernels.blockwise.backward's arguments and results: (dq, dk, dv) given the final out / lse and their
     cotangents (dlse may be None), in `grad_dtype` (default: q, k, v's dtypes), or added into `accumulate` sums in
     their dtypes. Raises Unservable as `forward` does; `general` as in `forward` (a backward)."""
     max_segments = max(2, max_segments)
-    kind = call_kind(q_index, kv_index, causal)
+    kind = call_kind(q_tokens.index, kv_tokens.index, options.causal)
     _check(q, v.shape[-1], primitives)
-    served = functools.partial(_served_backward, scale=scale, max_segments=max_segments, primitives=primitives)
+    served = functools.partial(_served_backward, scale=options.scale, max_segments=max_segments, primitives=primitives)
 
     def general_call(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
         """The general kernel on the same operands: float32 (dq, dk, dv)."""
-        static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, grad_dtype=jnp.float32)
-        return general(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse, **static)
+        sides = (q_tokens._replace(segment_ids=q_seg), kv_tokens._replace(segment_ids=kv_seg))
+        return general(q, k, v, *sides, out, lse, dout, dlse, options=options, grad_dtype=jnp.float32)
 
     def kind_of(kind):
         """The served backward of `kind` as a switch branch (operands as `general`'s)."""
@@ -417,7 +422,7 @@ def backward(
 
     def halves(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
         """The all-visible quarters' float32 (dq, dk, dv), each from the call's final out / lse."""
-        visible = quarters(q_index, kv_index)[1]
+        visible = quarters(q_tokens.index, kv_tokens.index)[1]
         grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
         for i, qs in enumerate(_halves(q.shape[1])):
             for j, ks in enumerate(_halves(k.shape[1])):
@@ -428,8 +433,8 @@ def backward(
         return tuple(grads)
 
     by_kind = {DIAGONAL: kind_of(DIAGONAL), ALL_VISIBLE: kind_of(ALL_VISIBLE), GENERAL: general_call, HALVES: halves}
-    operands = (q, k, v, q_seg, kv_seg, out, lse, dout, dlse)
-    grads = _switch(kind, q_index, kv_index, q_seg, kv_seg, causal, max_segments, by_kind, *operands)
+    operands = (q, k, v, q_tokens.segment_ids, kv_tokens.segment_ids, out, lse, dout, dlse)
+    grads = _switch(kind, q_tokens, kv_tokens, options.causal, max_segments, by_kind, *operands)
     if accumulate is not None:
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))
     return tuple(g.astype(grad_dtype or x.dtype) for g, x in zip(grads, (q, k, v), strict=True))

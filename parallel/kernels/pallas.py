@@ -10,7 +10,7 @@ features change no dot product, padded tokens are segment 0).
 
 Every pallas_call names Triton (its compiler params): JAX 0.10.2 lowers one that names no backend to Mosaic GPU,
 which these kernels do not fit. A kernel holds one block (queries: forward, dq; keys: dk / dv) and streams the other
-through its loop; the caller's block_q / block_kv are upper bounds, lowered per kernel by `_tiles` from head dims and
+through its loop; the Options' block_q / block_kv are upper bounds, lowered per kernel by `_tiles` from head dims and
 itemsize so that each fits an H100's shared memory (227 KiB a block) and registers (tests/gpu_compile). The streamed
 operands are passed as blocks of the whole padded length, which need not be a power of two (3 blocks, say): Triton
 lowers a block to a base pointer and only the pl.ds windows loaded must be powers of two; nothing of the whole
@@ -27,6 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from parallel.kernels.arguments import Options, Tokens
 from parallel.segments import INT32_MAX
 
 
@@ -66,17 +67,23 @@ def _block(length: int, block: int) -> int:
     return max(16, min(1 << (block.bit_length() - 1), pl.next_power_of_2(length)))
 
 
-def _config(kernel: str, q, k, v, block_q: int, block_kv: int):
-    """(bq, bk, Triton compiler params) of `kernel` for q, k, v (unpadded): the caller's blocks capped by _tiles."""
+def _config(kernel: str, q, k, v, options: Options):
+    """(bq, bk, Triton compiler params) of `kernel` for q, k, v (unpadded): the options' blocks capped by _tiles."""
     dqk, dv = pl.next_power_of_2(q.shape[-1]), pl.next_power_of_2(v.shape[-1])
     held, streamed = _tiles(kernel, dqk, dv, max(x.dtype.itemsize for x in (q, k, v)))
     cap_q, cap_kv = (streamed, held) if kernel == "dkdv" else (held, streamed)
-    bq, bk = _block(q.shape[1], min(block_q, cap_q)), _block(k.shape[1], min(block_kv, cap_kv))
+    bq, bk = _block(q.shape[1], min(options.block_q, cap_q)), _block(k.shape[1], min(options.block_kv, cap_kv))
     return bq, bk, plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
 
 
-def _summary(seg, index):
+def _load(refs: Tokens, at=...) -> Tokens:
+    """The tokens held by `refs` (a Tokens of refs: [t] ids and indices) at `at` (all, or a pl.ds window)."""
+    return Tokens(refs.segment_ids[at], refs.index[at])
+
+
+def _summary(tokens: Tokens):
     """Segment-id and global-index range of one block: (smallest non-zero id, largest id, smallest, largest index)."""
+    seg, index = tokens.segment_ids, tokens.index
     return jnp.min(jnp.where(seg > 0, seg, INT32_MAX)), jnp.max(seg), jnp.min(index), jnp.max(index)
 
 
@@ -88,10 +95,10 @@ def _visible(q_summary, kv_summary, causal: bool):
     return visible & (kv_index_lo <= q_index_hi) if causal else visible
 
 
-def _mask(q_seg, kv_seg, q_index, kv_index, causal: bool):
-    """[bq] / [bk] ids and global indices -> [bq, bk] visibility."""
-    mask = (q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] > 0)
-    return mask & (kv_index[None, :] <= q_index[:, None]) if causal else mask
+def _mask(q: Tokens, kv: Tokens, causal: bool):
+    """The tokens of a query and a key block ([bq] / [bk] ids and global indices) -> [bq, bk] visibility."""
+    mask = (q.segment_ids[:, None] == kv.segment_ids[None, :]) & (q.segment_ids[:, None] > 0)
+    return mask & (kv.index[None, :] <= q.index[:, None]) if causal else mask
 
 
 def _dot(a, b, *, transpose_b: bool = False):
@@ -100,15 +107,15 @@ def _dot(a, b, *, transpose_b: bool = False):
     return lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_idx_ref, kv_idx_ref, out_ref, lse_ref, **static):
+def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_ref, lse_ref, **static):
     causal, scale, bk, nk = static["causal"], static["scale"], static["block_kv"], static["kv_blocks"]
-    q, q_seg, q_idx = q_ref[...], q_seg_ref[...], q_idx_ref[...]
-    q_summary = _summary(q_seg, q_idx)
+    q, q_side = q_ref[...], _load(q_refs)
+    q_summary = _summary(q_side)
 
-    def update(window, kv_seg, kv_idx, carry):
+    def update(window, kv_side, carry):
         row_max, row_sum, acc = carry
         s = _dot(q, k_ref[window, :], transpose_b=True) * scale
-        s = jnp.where(_mask(q_seg, kv_seg, q_idx, kv_idx, causal), s, -jnp.inf)
+        s = jnp.where(_mask(q_side, kv_side, causal), s, -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         p = jnp.exp(s - safe_max[:, None])
@@ -118,9 +125,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_idx_ref, kv_id
 
     def step(j, carry):
         window = pl.ds(j * bk, bk)
-        kv_seg, kv_idx = kv_seg_ref[window], kv_idx_ref[window]
-        visible = _visible(q_summary, _summary(kv_seg, kv_idx), causal)
-        return lax.cond(visible, functools.partial(update, window, kv_seg, kv_idx), lambda c: c, carry)
+        kv_side = _load(kv_refs, window)
+        visible = _visible(q_summary, _summary(kv_side), causal)
+        return lax.cond(visible, functools.partial(update, window, kv_side), lambda c: c, carry)
 
     bq = q.shape[0]
     init = (
@@ -134,42 +141,40 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, q_idx_ref, kv_id
     lse_ref[...] = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
 
 
-def _prepare(q, k, v, q_seg, kv_seg, q_index, kv_index, q_multiple: int, kv_multiple: int):
-    """Pads lengths to whole multiples of the (power-of-two) blocks given (padding: segment 0) and head dims to
-    powers of two."""
+def _pad_operands(q, k, v, q_multiple: int, kv_multiple: int):
+    """(q, k, v) with lengths padded to whole multiples of the (power-of-two) blocks given and head dims to powers of
+    two."""
     tq, tk = (-(-t // m) * m for t, m in ((q.shape[1], q_multiple), (k.shape[1], kv_multiple)))
     dqk, dv = pl.next_power_of_2(q.shape[-1]), pl.next_power_of_2(v.shape[-1])
-    q = _pad_to(_pad_to(q, 1, tq), 3, dqk)
-    k = _pad_to(_pad_to(k, 1, tk), 3, dqk)
-    v = _pad_to(_pad_to(v, 1, tk), 3, dv)
-    q_seg, q_index = _pad_to(q_seg, 1, tq), _pad_to(q_index, 0, tq)
-    kv_seg, kv_index = _pad_to(kv_seg, 1, tk), _pad_to(kv_index, 0, tk, INT32_MAX)  # padded keys skip causally
-    return q, k, v, q_seg, kv_seg, q_index, kv_index
+    return _pad_to(_pad_to(q, 1, tq), 3, dqk), _pad_to(_pad_to(k, 1, tk), 3, dqk), _pad_to(_pad_to(v, 1, tk), 3, dv)
 
 
-def forward(
-    q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, interpret=False, out_dtype=None
-):
-    """parallel.blockwise.forward's arguments and results, as a Pallas kernel: (out [batch, tq, heads, dv] in
+def _pad_side(tokens: Tokens, length: int, index_value=0) -> Tokens:
+    """Segment ids [batch, t] and indices [t] padded to `length`: ids 0 (padding), indices `index_value` (INT32_MAX
+    for keys: padded keys skip causally)."""
+    return Tokens(_pad_to(tokens.segment_ids, 1, length), _pad_to(tokens.index, 0, length, index_value))
+
+
+def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, interpret=False, out_dtype=None):
+    """parallel.kernels.blockwise.forward's arguments and results, as a Pallas kernel: (out [batch, tq, heads, dv] in
     `out_dtype` (default q's), lse [batch, tq, heads] float32)."""
     batch, tq, heads, _ = q.shape
     kv_heads, dv = k.shape[2], v.shape[-1]
     group = heads // kv_heads
-    bq, bk, params = _config("forward", q, k, v, block_q, block_kv)
-    q, k, v, q_seg, kv_seg, q_index, kv_index = _prepare(q, k, v, q_seg, kv_seg, q_index, kv_index, bq, bk)
+    bq, bk, params = _config("forward", q, k, v, options)
+    q, k, v = _pad_operands(q, k, v, bq, bk)
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    kernel = functools.partial(_forward_kernel, causal=causal, scale=scale, block_kv=bk, kv_blocks=tk_pad // bk)
+    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad), _pad_side(kv_tokens, tk_pad, INT32_MAX)
+    static = dict(causal=options.causal, scale=options.scale, block_kv=bk, kv_blocks=tk_pad // bk)
     out, lse = pl.pallas_call(
-        kernel,
+        functools.partial(_forward_kernel, **static),
         grid=(batch, heads, tq_pad // bq),
         in_specs=[
             pl.BlockSpec((None, bq, None, dqk_pad), lambda b, h, i: (b, i, h, 0)),
             pl.BlockSpec((None, tk_pad, None, dqk_pad), lambda b, h, i: (b, 0, h // group, 0)),
             pl.BlockSpec((None, tk_pad, None, dv_pad), lambda b, h, i: (b, 0, h // group, 0)),
-            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
-            pl.BlockSpec((None, tk_pad), lambda b, h, i: (b, 0)),
-            pl.BlockSpec((bq,), lambda b, h, i: (i,)),
-            pl.BlockSpec((tk_pad,), lambda b, h, i: (0,)),
+            Tokens(pl.BlockSpec((None, bq), lambda b, h, i: (b, i)), pl.BlockSpec((bq,), lambda b, h, i: (i,))),
+            Tokens(pl.BlockSpec((None, tk_pad), lambda b, h, i: (b, 0)), pl.BlockSpec((tk_pad,), lambda b, h, i: (0,))),
         ],
         out_specs=[
             pl.BlockSpec((None, bq, None, dv_pad), lambda b, h, i: (b, i, h, 0)),
@@ -182,25 +187,24 @@ def forward(
         compiler_params=params,
         interpret=interpret,
         name="attention_forward",
-    )(q, k, v, q_seg, kv_seg, q_index, kv_index)
+    )(q, k, v, q_tokens, kv_tokens)
     return out[:, :tq, :, :dv], jnp.swapaxes(lse, 1, 2)[:, :tq]
 
 
 def _dkdv_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, q_idx_ref, kv_idx_ref, dk_ref, dv_ref,
-    **static,
-):  # fmt: skip
+    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, kv_refs: Tokens, dk_ref, dv_ref, **static
+):
     causal, scale, bq, nq, group = (static[key] for key in ("causal", "scale", "block_q", "q_blocks", "group"))
-    k, v, kv_seg, kv_idx = k_ref[...], v_ref[...], kv_seg_ref[...], kv_idx_ref[...]
-    kv_summary = _summary(kv_seg, kv_idx)
+    k, v, kv_side = k_ref[...], v_ref[...], _load(kv_refs)
+    kv_summary = _summary(kv_side)
 
-    def update(window, q_seg, q_idx, head, carry):
+    def update(window, q_side, head, carry):
         dk, dv = carry
         q, do = q_ref[window, head, :], do_ref[window, head, :]
         lse, delta = lse_ref[head, window], delta_ref[head, window]
         s = _dot(q, k, transpose_b=True) * scale
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        p = jnp.where(_mask(q_seg, kv_seg, q_idx, kv_idx, causal), jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(_mask(q_side, kv_side, causal), jnp.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, v, transpose_b=True)
         ds = (p * (dp - delta[:, None])).astype(q.dtype)
         dv = dv + _dot(p.astype(do.dtype).T, do)
@@ -209,88 +213,68 @@ def _dkdv_kernel(
 
     def step(n, carry):  # query block n / group, query head n % group of those that share this key-value head
         window = pl.ds(lax.div(n, group) * bq, bq)
-        q_seg, q_idx = q_seg_ref[window], q_idx_ref[window]
-        visible = _visible(_summary(q_seg, q_idx), kv_summary, causal)
-        return lax.cond(visible, functools.partial(update, window, q_seg, q_idx, lax.rem(n, group)), lambda c: c, carry)
+        q_side = _load(q_refs, window)
+        visible = _visible(_summary(q_side), kv_summary, causal)
+        return lax.cond(visible, functools.partial(update, window, q_side, lax.rem(n, group)), lambda c: c, carry)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     dk, dv = lax.fori_loop(0, nq * group, step, init)
     dk_ref[...], dv_ref[...] = dk.astype(dk_ref.dtype), dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, q_idx_ref, kv_idx_ref, dq_ref, **static
-):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, kv_refs: Tokens, dq_ref, **static):
     causal, scale, bk, nk = static["causal"], static["scale"], static["block_kv"], static["kv_blocks"]
-    q, do, q_seg, q_idx = q_ref[...], do_ref[...], q_seg_ref[...], q_idx_ref[...]
+    q, do, q_side = q_ref[...], do_ref[...], _load(q_refs)
     lse, delta = lse_ref[...], delta_ref[...]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    q_summary = _summary(q_seg, q_idx)
+    q_summary = _summary(q_side)
 
-    def update(window, kv_seg, kv_idx, dq):
+    def update(window, kv_side, dq):
         k, v = k_ref[window, :], v_ref[window, :]
         s = _dot(q, k, transpose_b=True) * scale
-        p = jnp.where(_mask(q_seg, kv_seg, q_idx, kv_idx, causal), jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(_mask(q_side, kv_side, causal), jnp.exp(s - lse[:, None]), 0.0)
         ds = (p * (_dot(do, v, transpose_b=True) - delta[:, None])).astype(k.dtype)
         return dq + _dot(ds, k) * scale
 
     def step(j, dq):
         window = pl.ds(j * bk, bk)
-        kv_seg, kv_idx = kv_seg_ref[window], kv_idx_ref[window]
-        visible = _visible(q_summary, _summary(kv_seg, kv_idx), causal)
-        return lax.cond(visible, functools.partial(update, window, kv_seg, kv_idx), lambda c: c, dq)
+        kv_side = _load(kv_refs, window)
+        visible = _visible(q_summary, _summary(kv_side), causal)
+        return lax.cond(visible, functools.partial(update, window, kv_side), lambda c: c, dq)
 
     dq = lax.fori_loop(0, nk, step, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def backward(
-    q,
-    k,
-    v,
-    q_seg,
-    kv_seg,
-    q_index,
-    kv_index,
-    out,
-    lse,
-    dout,
-    dlse,
-    *,
-    causal,
-    scale,
-    block_q,
-    block_kv,
-    interpret=False,
-    grad_dtype=None,
-    accumulate=None,
-):
-    """parallel.blockwise.backward's arguments and results, as Pallas kernels: (dq, dk, dv) of `forward` given its
-    final out / lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k, v); or,
-    given `accumulate` = (dq, dk, dv) running sums, those sums with them added, in their dtypes."""
+    q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, interpret=False,
+    grad_dtype=None, accumulate=None,
+):  # fmt: skip
+    """parallel.kernels.blockwise.backward's arguments and results, as Pallas kernels: (dq, dk, dv) of `forward`
+    given its final out / lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k,
+    v); or, given `accumulate` = (dq, dk, dv) running sums, those sums with them added, in their dtypes."""
     if accumulate is not None:
-        args = (q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, dout, dlse)
-        static = dict(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret)
-        grads = backward(*args, **static, grad_dtype=jnp.float32)
+        args = (q, k, v, q_tokens, kv_tokens, out, lse, dout, dlse)
+        grads = backward(*args, options=options, interpret=interpret, grad_dtype=jnp.float32)
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))
     batch, tq, heads, dqk = q.shape
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
-    # d score = p (dp - delta), delta = dout . out - dlse (see parallel.blockwise.backward)
+    # d score = p (dp - delta), delta = dout . out - dlse (see parallel.kernels.blockwise.backward)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     if dlse is not None:
         delta = delta - dlse
     dtypes = (q.dtype, k.dtype, v.dtype)
-    bq, bk, dkdv_params = _config("dkdv", q, k, v, block_q, block_kv)
-    bq_dq, bk_dq, dq_params = _config("dq", q, k, v, block_q, block_kv)
-    q, k, v, q_seg, kv_seg, q_index, kv_index = _prepare(
-        q, k, v, q_seg, kv_seg, q_index, kv_index, max(bq, bq_dq), max(bk, bk_dq)
-    )
+    bq, bk, dkdv_params = _config("dkdv", q, k, v, options)
+    bq_dq, bk_dq, dq_params = _config("dq", q, k, v, options)
+    q, k, v = _pad_operands(q, k, v, max(bq, bq_dq), max(bk, bk_dq))
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
+    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad), _pad_side(kv_tokens, tk_pad, INT32_MAX)
+    causal, scale = options.causal, options.scale
     dout = _pad_to(_pad_to(dout, 1, tq_pad), 3, dv_pad)
     lse = jnp.swapaxes(_pad_to(lse, 1, tq_pad, -jnp.inf), 1, 2)  # [batch, heads, tq]
     delta = jnp.swapaxes(_pad_to(delta, 1, tq_pad), 1, 2)
-    operands = (q, k, v, dout, lse, delta, q_seg, kv_seg, q_index, kv_index)
+    operands = (q, k, v, dout, lse, delta, q_tokens, kv_tokens)
     dk, dv_ = pl.pallas_call(
         functools.partial(_dkdv_kernel, causal=causal, scale=scale, block_q=bq, q_blocks=tq_pad // bq, group=group),
         grid=(batch, kv_heads, tk_pad // bk),
@@ -301,10 +285,8 @@ def backward(
             pl.BlockSpec((None, tq_pad, group, dv_pad), lambda b, g, j: (b, 0, g, 0)),
             pl.BlockSpec((None, group, tq_pad), lambda b, g, j: (b, g, 0)),
             pl.BlockSpec((None, group, tq_pad), lambda b, g, j: (b, g, 0)),
-            pl.BlockSpec((None, tq_pad), lambda b, g, j: (b, 0)),
-            pl.BlockSpec((None, bk), lambda b, g, j: (b, j)),
-            pl.BlockSpec((tq_pad,), lambda b, g, j: (0,)),
-            pl.BlockSpec((bk,), lambda b, g, j: (j,)),
+            Tokens(pl.BlockSpec((None, tq_pad), lambda b, g, j: (b, 0)), pl.BlockSpec((tq_pad,), lambda b, g, j: (0,))),
+            Tokens(pl.BlockSpec((None, bk), lambda b, g, j: (b, j)), pl.BlockSpec((bk,), lambda b, g, j: (j,))),
         ],
         out_specs=[
             pl.BlockSpec((None, bk, None, dqk_pad), lambda b, g, j: (b, j, g, 0)),
@@ -328,10 +310,8 @@ def backward(
             pl.BlockSpec((None, bq_dq, None, dv_pad), lambda b, h, i: (b, i, h, 0)),
             pl.BlockSpec((None, None, bq_dq), lambda b, h, i: (b, h, i)),
             pl.BlockSpec((None, None, bq_dq), lambda b, h, i: (b, h, i)),
-            pl.BlockSpec((None, bq_dq), lambda b, h, i: (b, i)),
-            pl.BlockSpec((None, tk_pad), lambda b, h, i: (b, 0)),
-            pl.BlockSpec((bq_dq,), lambda b, h, i: (i,)),
-            pl.BlockSpec((tk_pad,), lambda b, h, i: (0,)),
+            Tokens(pl.BlockSpec((None, bq_dq), lambda b, h, i: (b, i)), pl.BlockSpec((bq_dq,), lambda b, h, i: (i,))),
+            Tokens(pl.BlockSpec((None, tk_pad), lambda b, h, i: (b, 0)), pl.BlockSpec((tk_pad,), lambda b, h, i: (0,))),
         ],
         out_specs=pl.BlockSpec((None, bq_dq, None, dqk_pad), lambda b, h, i: (b, i, h, 0)),
         out_shape=jax.ShapeDtypeStruct(q.shape, grad_dtype or dtypes[0]),

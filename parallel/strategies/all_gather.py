@@ -19,9 +19,18 @@ import numpy as np
 from jax import lax
 
 from parallel import kernels
+from parallel.kernels import Options, Tokens
 from parallel.lse_merge import merge
 from parallel.reorder import from_balanced
-from parallel.strategies.common import axis_shards, global_index, kernel, local_piece, run_sharded, wants_original_order
+from parallel.strategies.common import (
+    axis_shards,
+    global_index,
+    kernel,
+    kernel_options,
+    local_piece,
+    run_sharded,
+    wants_original_order,
+)
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
@@ -32,41 +41,42 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     if cudnn and not chunked:  # striped: no call cuDNN serves, so compile none
         plan = dataclasses.replace(plan, kernel=kernels.general_kernel("cudnn", plan.platform))
     by_chunks = cudnn and chunked
-    static = dict(causal=causal, scale=scale, plan=plan)
+    options = kernel_options(plan, causal=causal, scale=scale)
 
     def local(q, k, v, seg):
-        gathered = [lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg)]
-        q_index = local_piece(index, shards, lax.axis_index(axis))
+        k_all, v_all, seg_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))
+        q_tokens = Tokens(seg, local_piece(index, shards, lax.axis_index(axis)))
         if by_chunks:
             layout = dict(layout=plan.layout if shards > 1 else "contiguous", axis=1)
-            gathered = [from_balanced(x, shards, **layout) for x in gathered]
+            k_all, v_all, seg_all = (from_balanced(x, shards, **layout) for x in (k_all, v_all, seg_all))
             chunks = 2 if layout["layout"] == "dual_chunk" else 1
-            return chunk_calls(q, k, v, seg, *gathered, q_index, chunks=chunks, **static)
-        out, _ = kernel(q, *gathered[:2], seg, gathered[2], q_index, jnp.asarray(index), **static)
-        return out
+            return chunk_calls(q, k, v, q_tokens, k_all, v_all, seg_all, chunks=chunks, options=options, plan=plan)
+        kv_tokens = Tokens(seg_all, jnp.asarray(index))
+        return kernel(q, k_all, v_all, q_tokens, kv_tokens, options=options, plan=plan)[0]
 
     return run_sharded(local, mesh, axis, q, k, v, segment_ids)
 
 
-def chunk_calls(q, k, v, seg, k_all, v_all, seg_all, q_index, *, chunks: int, causal, scale, plan):
-    """The local piece's attention as calls cuDNN serves. q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d], seg
-    [batch, n]: this device's piece, `chunks` runs of consecutive tokens; k_all/v_all [batch, length, ...], seg_all
-    [batch, length]: the whole sequence in original order; q_index [n] (traced) global index of the piece.
+def chunk_calls(q, k, v, q_tokens: Tokens, k_all, v_all, seg_all, *, chunks: int, options: Options, plan):
+    """The local piece's attention as calls cuDNN serves. q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d],
+    q_tokens (segment ids [batch, n], traced global index [n]): this device's piece, `chunks` runs of consecutive
+    tokens; k_all/v_all [batch, length, ...], seg_all [batch, length]: the whole sequence in original order.
     -> out [batch, n, heads, dv]."""
-    length = k_all.shape[1]
-    everything = np.arange(length, dtype=np.int32)
-    if not causal:
-        piece = np.arange(q.shape[1], dtype=np.int32)  # increasing, as q_index is: only the order matters
-        return kernel(q, k_all, v_all, seg, seg_all, piece, everything, causal=False, scale=scale, plan=plan)[0]
+    everything = np.arange(k_all.shape[1], dtype=np.int32)
+    if not options.causal:
+        piece = np.arange(q.shape[1], dtype=np.int32)  # increasing, as the piece's index is: only the order matters
+        sides = (q_tokens._replace(index=piece), Tokens(seg_all, everything))
+        return kernel(q, k_all, v_all, *sides, options=options, plan=plan)[0]
     size = q.shape[1] // chunks
     own = np.arange(size, dtype=np.int32)
+    prior_options = dataclasses.replace(options, causal=False)
     outs = []
     for c in range(chunks):
         part = slice(c * size, (c + 1) * size)
-        q_c, seg_c = q[:, part], seg[:, part]
-        out, lse = kernel(q_c, k[:, part], v[:, part], seg_c, seg_c, own, own, causal=True, scale=scale, plan=plan)
-        before = jnp.where(everything < q_index[c * size], seg_all, 0)  # keys after the chunk's first as padding
-        prior = kernel(q_c, k_all, v_all, seg_c, before, own, everything, causal=False, scale=scale, plan=plan)
+        q_c, chunk = q[:, part], Tokens(q_tokens.segment_ids[:, part], own)
+        out, lse = kernel(q_c, k[:, part], v[:, part], chunk, chunk, options=options, plan=plan)
+        before = jnp.where(everything < q_tokens.index[c * size], seg_all, 0)  # keys after the chunk's first as padding
+        prior = kernel(q_c, k_all, v_all, chunk, Tokens(before, everything), options=prior_options, plan=plan)
         out, _ = merge(out.astype(jnp.float32), lse, prior[0].astype(jnp.float32), prior[1])
         outs.append(out.astype(q.dtype))
     return jnp.concatenate(outs, axis=1)

@@ -11,6 +11,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from parallel import kernels
+from parallel.kernels import Options, Tokens
 from parallel.mesh import logical_spec
 from parallel.reorder import from_balanced, layout_index, to_balanced
 
@@ -51,22 +52,15 @@ def local_piece(index: np.ndarray, shards: int, rank):
     return lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
 
 
-def kernel(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, plan):
-    """The plan's attention kernel with its block sizes -> (out, lse)."""
-    return kernels.attention(
-        q,
-        k,
-        v,
-        q_segment_ids=q_seg,
-        kv_segment_ids=kv_seg,
-        q_index=q_index,
-        kv_index=kv_index,
-        causal=causal,
-        scale=scale,
-        kernel=plan_kernel(plan),
-        block_q=plan.block_q,
-        block_kv=plan.block_kv,
-    )
+def kernel_options(plan, *, causal: bool, scale: float) -> Options:
+    """The kernel options of a strategy's calls: `causal`, `scale` and the plan's block sizes."""
+    return Options(causal=causal, scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
+
+
+def kernel(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, plan):
+    """The plan's attention kernel on q [batch, tq, heads, dqk], k / v [batch, tk, kv_heads, d] and the tokens of
+    each side -> (out [batch, tq, heads, dv], lse [batch, tq, heads])."""
+    return kernels.attention(q, k, v, q_tokens, kv_tokens, options, kernel=plan_kernel(plan))
 
 
 def plan_kernel(plan) -> kernels.Kernel:
@@ -80,7 +74,7 @@ def wants_original_order(plan) -> bool:
     return plan_kernel(plan).name == "cudnn"
 
 
-def whole_sequence(q, k, v, seg, *, shards: int, causal, scale, plan):
+def whole_sequence(q, k, v, seg, *, shards: int, options: Options, plan):
     """The plan's kernel over a whole sequence held in `plan.layout` for `shards` ranks: q [batch, length, heads,
     dqk], k/v [batch, length, kv_heads, d], seg [batch, length] (None = one document) -> out [batch, length, heads,
     dv] in that layout. Under cuDNN the call runs in original order (static layout ops there and back), so it is
@@ -89,11 +83,11 @@ def whole_sequence(q, k, v, seg, *, shards: int, causal, scale, plan):
         order = dict(layout=plan.layout if shards > 1 else "contiguous", stripe=plan.stripe, axis=1)
         seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
         q, k, v, seg = (from_balanced(x, shards, **order) for x in (q, k, v, seg))
-        index = np.arange(q.shape[1], dtype=np.int32)
-        out = kernel(q, k, v, seg, seg, index, index, causal=causal, scale=scale, plan=plan)[0]
+        tokens = Tokens(seg, np.arange(q.shape[1], dtype=np.int32))
+        out = kernel(q, k, v, tokens, tokens, options=options, plan=plan)[0]
         return to_balanced(out, shards, **order)
-    index = jnp.asarray(global_index(q.shape[1], plan, shards))
-    return kernel(q, k, v, seg, seg, index, index, causal=causal, scale=scale, plan=plan)[0]
+    tokens = Tokens(seg, jnp.asarray(global_index(q.shape[1], plan, shards)))
+    return kernel(q, k, v, tokens, tokens, options=options, plan=plan)[0]
 
 
 def run_sharded(local, mesh, axis, q, k, v, segment_ids):

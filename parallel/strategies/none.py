@@ -3,15 +3,16 @@
 
 from __future__ import annotations
 
-from parallel.strategies.common import axis_shards, run_sharded, whole_sequence
+from parallel.strategies.common import axis_shards, kernel_options, run_sharded, whole_sequence
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
     shards = 1 if plan.layout == "contiguous" else axis_shards(mesh, plan.axis)
+    options = kernel_options(plan, causal=causal, scale=scale)
 
     def local(q, k, v, segment_ids):
-        return whole_sequence(q, k, v, segment_ids, shards=shards, causal=causal, scale=scale, plan=plan)
+        return whole_sequence(q, k, v, segment_ids, shards=shards, options=options, plan=plan)
 
     if mesh is None or mesh.empty:
         return local(q, k, v, segment_ids)

@@ -15,23 +15,35 @@ step's terms are still computed in float32).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallel.kernels import Options, Tokens
 from parallel.lse_merge import merge
-from parallel.strategies.common import axis_shards, global_index, plan_kernel, run_sharded
+from parallel.strategies.common import axis_shards, global_index, kernel_options, plan_kernel, run_sharded
 
 
-def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, scale: float, plan):
+class Residuals(NamedTuple):
+    """What the ring's backward keeps of its forward, on each device."""
+
+    q: jax.Array  # [batch, n, heads, dqk] local queries
+    kv: tuple[jax.Array, jax.Array]  # (k, v) [batch, n, kv_heads, d] of the local piece
+    seg: jax.Array  # [batch, n] int32 segment ids of the local piece
+    seg_all: jax.Array  # [shards, batch, n] int32 every rank's segment ids
+    out: jax.Array  # [batch, n, heads, dv] float32 merged output
+    lse: jax.Array  # [batch, n, heads] float32 merged log-sum-exp
+
+
+def ring_local(q, k, v, seg, *, axis: str, shards: int, index, options: Options, plan):
     """Inside a shard_map over `axis` (shards devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
     seg [batch, n] are this device's piece; index: numpy [shards * n] global token index of every piece in order.
     Returns out [batch, n, heads, dv]."""
     n = q.shape[1]
     table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
-    blocks = dict(scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
     impl = plan_kernel(plan)
 
     def grad_dtype(x):
@@ -41,27 +53,28 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
 
     own = np.arange(n, dtype=np.int32)
 
-    def pieces(kv, seg, seg_all, rank, source):
-        """(k, v, kv segment ids, q_index, kv_index) of the step against the piece of `source` (None: our own, whose
-        indices are positions: static, so the kernel knows the causal diagonal at trace time; a piece is in
-        increasing global order, so causality by position is causality by global index)."""
+    def sides(seg, seg_all, rank, source) -> tuple[Tokens, Tokens]:
+        """The query and key tokens of the step against the piece of `source` (None: our own, whose indices are
+        positions: static, so the kernel knows the causal diagonal at trace time; a piece is in increasing global
+        order, so causality by position is causality by global index)."""
         if source is None:
-            return kv[0], kv[1], seg, own, own
-        return kv[0], kv[1], seg_all[source], jnp.asarray(table)[rank], jnp.asarray(table)[source]
+            return Tokens(seg, own), Tokens(seg, own)
+        return Tokens(seg, jnp.asarray(table)[rank]), Tokens(seg_all[source], jnp.asarray(table)[source])
 
     def step_forward(q, seg, kv, seg_all, rank, source):
         """(out float32, lse) of local queries against the KV block of `source` (None: our own)."""
-        k_s, v_s, kv_seg, q_index, kv_index = pieces(kv, seg, seg_all, rank, source)
-        return impl.forward(q, k_s, v_s, seg, kv_seg, q_index, kv_index, causal=causal, out_dtype=jnp.float32, **blocks)
+        return impl.forward(q, *kv, *sides(seg, seg_all, rank, source), options=options, out_dtype=jnp.float32)
 
-    def step_backward(q, seg, kv, seg_all, out, lse, dout, rank, source, grads):
-        """grads = (dq float32, dk, dv) with the terms of local queries against the KV block of `source` (None: our
-        own) added."""
-        k_s, v_s, kv_seg, q_index, kv_index = pieces(kv, seg, seg_all, rank, source)
-        args = (q, k_s, v_s, seg, kv_seg, q_index, kv_index, out, lse, dout, None)
-        return impl.backward(*args, causal=causal, accumulate=grads, **blocks)
+    def step_backward(res: Residuals, kv, dout, rank, source, grads):
+        """grads = (dq float32, dk, dv) with the terms of local queries against the KV block `kv` of `source` (None:
+        our own) added."""
+        q_tokens, kv_tokens = sides(res.seg, res.seg_all, rank, source)
+        return impl.backward(
+            res.q, *kv, q_tokens, kv_tokens, res.out, res.lse, dout, None, options=options, accumulate=grads
+        )
 
     def run_forward(q, kv, seg):
+        """(out in q's dtype, Residuals)."""
         rank = lax.axis_index(axis)
         seg_all = lax.all_gather(seg, axis)  # [shards, batch, n]: small, so gathered once instead of rotated
         in_flight = lax.ppermute(kv, axis, to_next) if shards > 1 else kv  # issued before step 0's compute
@@ -79,44 +92,36 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, causal: bool, sca
         if shards > 1:
             (kv_last, out, lse), _ = lax.scan(body, (in_flight, out, lse), jnp.arange(1, shards - 1))
             out, lse = merge(out, lse, *step_forward(q, seg, kv_last, seg_all, rank, (rank + 1) % shards))
-        return out.astype(q.dtype), (seg_all, out, lse)
+        return out.astype(q.dtype), Residuals(q, kv, seg, seg_all, out, lse)
 
     @jax.custom_vjp
     def ring(q, kv, seg):
         return run_forward(q, kv, seg)[0]
 
-    def ring_fwd(q, kv, seg):
-        out, (seg_all, out32, lse) = run_forward(q, kv, seg)
-        return out, (q, kv, seg, seg_all, out32, lse)
-
-    def ring_bwd(residuals, dout):
-        q, kv, seg, seg_all, out, lse = residuals
+    def ring_bwd(res: Residuals, dout):
         rank = lax.axis_index(axis)
-        in_flight = lax.ppermute(kv, axis, to_next) if shards > 1 else kv
+        in_flight = lax.ppermute(res.kv, axis, to_next) if shards > 1 else res.kv
         # dq sums in float32; dk and dv sum and travel in grad_dtype; each step's terms are float32
         zeros = (
-            jnp.zeros(q.shape, jnp.float32),
-            *(jnp.zeros(x.shape, grad_dtype(x)) for x in kv),
+            jnp.zeros(res.q.shape, jnp.float32),
+            *(jnp.zeros(x.shape, grad_dtype(x)) for x in res.kv),
         )
-        dq, dk, dv = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, None, zeros)
+        dq, dk, dv = step_backward(res, res.kv, dout, rank, None, zeros)
 
         def body(carry, i):
-            kv, dq, dk, dv = carry
+            kv, (dq, dk, dv) = carry
             next_kv = lax.ppermute(kv, axis, to_next)
             dk, dv = lax.ppermute((dk, dv), axis, to_next)  # arrive with the K/V they belong to
-            grads = step_backward(q, seg, kv, seg_all, out, lse, dout, rank, (rank - i) % shards, (dq, dk, dv))
-            return (next_kv, *grads), None
+            return (next_kv, step_backward(res, kv, dout, rank, (rank - i) % shards, (dq, dk, dv))), None
 
         if shards > 1:
-            (kv_last, dq, dk, dv), _ = lax.scan(body, (in_flight, dq, dk, dv), jnp.arange(1, shards - 1))
+            (kv_last, (dq, dk, dv)), _ = lax.scan(body, (in_flight, (dq, dk, dv)), jnp.arange(1, shards - 1))
             dk, dv = lax.ppermute((dk, dv), axis, to_next)
-            dq, dk, dv = step_backward(
-                q, seg, kv_last, seg_all, out, lse, dout, rank, (rank + 1) % shards, (dq, dk, dv)
-            )
+            dq, dk, dv = step_backward(res, kv_last, dout, rank, (rank + 1) % shards, (dq, dk, dv))
             dk, dv = lax.ppermute((dk, dv), axis, to_next)  # home to the owner
-        return dq.astype(q.dtype), (dk.astype(kv[0].dtype), dv.astype(kv[1].dtype)), None
+        return dq.astype(res.q.dtype), (dk.astype(res.kv[0].dtype), dv.astype(res.kv[1].dtype)), None
 
-    ring.defvjp(ring_fwd, ring_bwd)
+    ring.defvjp(run_forward, ring_bwd)
     return ring(q, (k, v), seg)
 
 
@@ -124,5 +129,6 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     index = global_index(q.shape[1], plan, shards)
-    local = functools.partial(ring_local, axis=axis, shards=shards, index=index, causal=causal, scale=scale, plan=plan)
+    options = kernel_options(plan, causal=causal, scale=scale)
+    local = functools.partial(ring_local, axis=axis, shards=shards, index=index, options=options, plan=plan)
     return run_sharded(local, mesh, axis, q, k, v, segment_ids)

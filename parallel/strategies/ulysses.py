@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-from parallel.strategies.common import axis_shards, run_sharded, whole_sequence
+from parallel.strategies.common import axis_shards, kernel_options, run_sharded, whole_sequence
 
 
 def check_heads(heads: int, kv_heads: int, shards: int, axis) -> None:
@@ -24,9 +24,9 @@ def check_heads(heads: int, kv_heads: int, shards: int, axis) -> None:
         )
 
 
-def scatter_heads(q, k, v, seg, axis: str, shards: int):
-    """Inside a shard_map: sequence pieces [batch, n, h, d] -> whole (gathered) sequence [batch, n*shards, h/shards, d]
-    for this device's heads, with ONE all-to-all carrying q, k and v together; seg [batch, n] -> [batch, n*shards]."""
+def scatter_heads(q, k, v, axis: str, shards: int):
+    """Inside a shard_map: sequence pieces [batch, n, h, d] -> (q, k, v) of the whole (gathered) sequence
+    [batch, n*shards, h/shards, d] for this device's heads, with ONE all-to-all carrying q, k and v together."""
     heads, kv_heads = q.shape[2], k.shape[2]
     repeat = shards // math.gcd(kv_heads, shards)
     k, v = jnp.repeat(k, repeat, axis=2), jnp.repeat(v, repeat, axis=2)
@@ -39,7 +39,12 @@ def scatter_heads(q, k, v, seg, axis: str, shards: int):
     q_h = merged[..., :q_w].reshape(batch, n * shards, heads // shards, q.shape[-1])
     k_h = merged[..., q_w : q_w + k_w].reshape(batch, n * shards, k.shape[2] // shards, k.shape[-1])
     v_h = merged[..., q_w + k_w :].reshape(batch, n * shards, k.shape[2] // shards, v.shape[-1])
-    return q_h, k_h, v_h, lax.all_gather(seg, axis, axis=1, tiled=True)
+    return q_h, k_h, v_h
+
+
+def gather_sequence(seg, axis: str):
+    """Inside a shard_map: segment ids of this device's piece [batch, n] -> the whole sequence's [batch, n*shards]."""
+    return lax.all_gather(seg, axis, axis=1, tiled=True)
 
 
 def gather_heads(out, axis: str):
@@ -51,9 +56,11 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     check_heads(q.shape[2], k.shape[2], shards, axis)
+    options = kernel_options(plan, causal=causal, scale=scale)
 
     def local(q, k, v, seg):
-        q, k, v, seg = scatter_heads(q, k, v, seg, axis, shards)
-        return gather_heads(whole_sequence(q, k, v, seg, shards=shards, causal=causal, scale=scale, plan=plan), axis)
+        q, k, v = scatter_heads(q, k, v, axis, shards)
+        out = whole_sequence(q, k, v, gather_sequence(seg, axis), shards=shards, options=options, plan=plan)
+        return gather_heads(out, axis)
 
     return run_sharded(local, mesh, axis, q, k, v, segment_ids)

@@ -4,9 +4,9 @@ as its local block, load-balanced when the layout is dual_chunk over the ring si
 
 from __future__ import annotations
 
-from parallel.strategies.common import axis_shards, global_index, run_sharded
+from parallel.strategies.common import axis_shards, global_index, kernel_options, run_sharded
 from parallel.strategies.ring import ring_local
-from parallel.strategies.ulysses import check_heads, gather_heads, scatter_heads
+from parallel.strategies.ulysses import check_heads, gather_heads, gather_sequence, scatter_heads
 
 
 def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
@@ -18,12 +18,12 @@ def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
     ring_shards, ulysses_shards = axis_shards(mesh, ring_axis), axis_shards(mesh, ulysses_axis)
     check_heads(q.shape[2], k.shape[2], ulysses_shards, ulysses_axis)
     index = global_index(q.shape[1], plan, ring_shards)
+    options = kernel_options(plan, causal=causal, scale=scale)
 
     def local(q, k, v, seg):
-        q, k, v, seg = scatter_heads(q, k, v, seg, ulysses_axis, ulysses_shards)
-        out = ring_local(
-            q, k, v, seg, axis=ring_axis, shards=ring_shards, index=index, causal=causal, scale=scale, plan=plan
-        )
+        q, k, v = scatter_heads(q, k, v, ulysses_axis, ulysses_shards)
+        seg = gather_sequence(seg, ulysses_axis)
+        out = ring_local(q, k, v, seg, axis=ring_axis, shards=ring_shards, index=index, options=options, plan=plan)
         return gather_heads(out, ulysses_axis)
 
     return run_sharded(local, mesh, plan.axis, q, k, v, segment_ids)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels, targets
-from parallel.kernels import cudnn
+from parallel.kernels import Tokens, cudnn
 
 HEADS = {"mha": (4, 4, 64, 64), "gqa": (8, 2, 128, 128), "mla": (4, 4, 192, 128)}  # heads, kv heads, dqk, dv
 LENGTH = 256
@@ -23,8 +23,7 @@ def grads(q, k, v, seg, q_index, kv_index):
     """(dq, dk, dv) of a loss through out and lse of one cuDNN kernel call."""
 
     def loss(q, k, v):
-        options = dict(q_segment_ids=seg, kv_segment_ids=seg, q_index=q_index, kv_index=kv_index)
-        out, lse = kernels.attention(q, k, v, kernel=CUDNN, **options)
+        out, lse = kernels.attention(q, k, v, Tokens(seg, q_index), Tokens(seg, kv_index), kernel=CUDNN)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
 
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

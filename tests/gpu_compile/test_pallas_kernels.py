@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import pytest
 
 from parallel import targets
-from parallel.kernels import pallas
+from parallel.kernels import Options, Tokens, pallas
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -44,11 +44,12 @@ def compile_for_h100(dqk: int, dv: int, length: int, dtype, causal: bool) -> str
         spec(1, length, dtype=jnp.int32),  # segment ids
         spec(length, dtype=jnp.int32),  # global indices
     )
-    options = dict(causal=causal, scale=dqk**-0.5, block_q=BLOCK, block_kv=BLOCK)
+    options = Options(causal=causal, scale=dqk**-0.5, block_q=BLOCK, block_kv=BLOCK)
 
     def step(q, k, v, seg, index):
-        out, lse = pallas.forward(q, k, v, seg, seg, index, index, **options)
-        return pallas.backward(q, k, v, seg, seg, index, index, out, lse, out, lse, **options)
+        tokens = Tokens(seg, index)
+        out, lse = pallas.forward(q, k, v, tokens, tokens, options=options)
+        return pallas.backward(q, k, v, tokens, tokens, out, lse, out, lse, options=options)
 
     return jax.jit(step).trace(*args).lower().compile().as_text()
 

@@ -13,8 +13,8 @@ import functools
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as fa
 
-from parallel import blockwise, kernels
-from parallel.kernels import cudnn
+from parallel import kernels
+from parallel.kernels import blockwise, cudnn
 
 
 def _segments(query, key, value, q_seqlen, kv_seqlen, q_offsets, kv_offsets):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from parallel import kernels
-from parallel.blockwise import SKIP, _pad_keys_index, _padded_blocks, _pair_kinds
+from parallel.kernels import Options, Tokens
+from parallel.kernels.blockwise import SKIP, _pad_keys, _padded_blocks, _pair_kinds
 from parallel.segments import block_summary, visible_blocks
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
@@ -40,10 +41,9 @@ def test_kernel_matches_reference(heads):
     def kernel_all(q, k, v):
         results = []
         for causal, packed in cases:
-            s = seg if packed else None
-            fn = lambda q, k, v: kernels.attention(
-                q, k, v, q_segment_ids=s, kv_segment_ids=s, kernel="blockwise", causal=causal, block_q=16, block_kv=8
-            )
+            tokens = Tokens(seg if packed else None)
+            options = Options(causal=causal, block_q=16, block_kv=8)
+            fn = lambda q, k, v: kernels.attention(q, k, v, tokens, tokens, options, kernel="blockwise")
             results.append(jax.grad(loss(fn), argnums=(0, 1, 2), has_aux=True)(q, k, v))
         return results
 
@@ -69,19 +69,9 @@ def test_causal_by_global_index():
     q_rows, kv_rows = perm[:12], perm[12:]  # a query piece and a key piece, non-contiguous and disjoint
 
     def attend(q, k, v):
-        return kernels.attention(
-            q[:, q_rows],
-            k[:, kv_rows],
-            v[:, kv_rows],
-            q_segment_ids=seg[:, q_rows],
-            kv_segment_ids=seg[:, kv_rows],
-            q_index=jnp.asarray(q_rows),
-            kv_index=jnp.asarray(kv_rows),
-            kernel="blockwise",
-            causal=True,
-            block_q=4,
-            block_kv=8,
-        )
+        sides = (Tokens(seg[:, q_rows], jnp.asarray(q_rows)), Tokens(seg[:, kv_rows], jnp.asarray(kv_rows)))
+        options = Options(causal=True, block_q=4, block_kv=8)
+        return kernels.attention(q[:, q_rows], k[:, kv_rows], v[:, kv_rows], *sides, options, kernel="blockwise")
 
     out, _ = jax.jit(attend)(q, k, v)
     assert relative_error(out, _reference_subset(q, k, v, seg, q_rows, kv_rows)) < 2e-5
@@ -130,6 +120,6 @@ def test_padded_key_block_is_skipped_causally():
     size, count = _padded_blocks(length, block)
     seg = jnp.pad(jnp.ones((1, length), jnp.int32), ((0, 0), (0, size * count - length)))
     q_index = jnp.pad(jnp.arange(length, dtype=jnp.int32), (0, size * count - length))
-    kv_index = _pad_keys_index(jnp.arange(length, dtype=jnp.int32), size)
-    kinds = np.asarray(_pair_kinds(seg, seg, q_index, kv_index, size, size, causal=True))[0]
+    keys = _pad_keys(Tokens(jnp.ones((1, length), jnp.int32), jnp.arange(length, dtype=jnp.int32)), size)
+    kinds = np.asarray(_pair_kinds(Tokens(seg, q_index), keys, size, size, causal=True))[0]
     assert (kinds[:-1, -1] == SKIP).all() and (kinds[-1] != SKIP).all()

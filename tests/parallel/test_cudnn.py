@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import blockwise, kernels
-from parallel.kernels import cudnn, pallas
+from parallel import kernels
+from parallel.kernels import Options, Tokens, blockwise, cudnn, pallas
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments
 from tests.parallel.cudnn_standin import STANDIN
 from tests.parallel.test_kernels import HEADS, LENGTH, assert_same, inputs
 
-STATIC = dict(scale=0.25, block_q=16, block_kv=16)
+BLOCKS = dict(scale=0.25, block_q=16, block_kv=16)
 
 
 def poisoned_forward(q, k, v, bias, q_seqlen, *rest, **params):
@@ -81,11 +81,11 @@ def test_too_many_segments_run_the_blockwise_kernel():
     assert bool(cudnn.too_many_segments(seg, 8)) and not bool(cudnn.too_many_segments(seg, 12))
     q, k, v = inputs(*HEADS["gqa"])
     index = np.arange(LENGTH)
-    args = (q, k, v, seg, seg, index, index, True)
+    args = (q, k, v, Tokens(seg, index), Tokens(seg, index), True)
     want = run(blockwise.forward, blockwise.backward, *args)
     kernel = [functools.partial(f, primitives=STANDIN, max_segments=8) for f in (cudnn.forward, cudnn.backward)]
     assert_same(run(*kernel, *args), want)
-    assert_same(jax.jit(lambda i: run(*kernel, *args[:5], i, i, True))(index), want)
+    assert_same(jax.jit(lambda i: run(*kernel, q, k, v, Tokens(seg, i), Tokens(seg, i), True))(index), want)
     standin = [functools.partial(f, primitives=POISONED, max_segments=8) for f in (cudnn.forward, cudnn.backward)]
     assert_same(run(*standin, *args), want)  # the primitives are never taken
     standin = [functools.partial(f, primitives=POISONED, max_segments=12) for f in (cudnn.forward, cudnn.backward)]
@@ -105,15 +105,15 @@ def test_stats_and_lse_round_trip():
     assert np.array_equal(stats[0, :, 0], lse[0, first])
 
 
-def run(forward, backward, q, k, v, q_seg, kv_seg, q_index, kv_index, causal):
+def run(forward, backward, q, k, v, q_tokens, kv_tokens, causal):
     """(out, lse, dq, dk, dv) of a loss through out and lse (a nonzero dlse), through forward / backward."""
     rng = np.random.default_rng(1)
     w_out = jnp.asarray(rng.normal(size=(*q.shape[:3], v.shape[-1])), jnp.float32)
     w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
-    static = dict(causal=causal, **STATIC)
-    out, lse = forward(q, k, v, q_seg, kv_seg, q_index, kv_index, **static)
+    options = Options(causal=causal, **BLOCKS)
+    out, lse = forward(q, k, v, q_tokens, kv_tokens, options=options)
     dlse = jnp.where(jnp.isfinite(lse), w_lse, 0.0)
-    grads = backward(q, k, v, q_seg, kv_seg, q_index, kv_index, out, lse, w_out, dlse, **static)
+    grads = backward(q, k, v, q_tokens, kv_tokens, out, lse, w_out, dlse, options=options)
     return out, lse, *grads
 
 
@@ -123,11 +123,11 @@ STANDIN_KERNEL = (
 )
 
 
-def ring_piece_case(packed: bool):
+def ring_piece_case(packed: bool) -> tuple[Tokens, Tokens]:
     """Queries at global indices 48..95 against keys at 0..47 of one packed sequence of 96: all keys precede."""
     seg = packed_segments(2, 2 * LENGTH, seed=3) if packed else np.ones((2, 2 * LENGTH), np.int32)
     index = np.arange(2 * LENGTH, dtype=np.int32)
-    return jnp.asarray(seg[:, LENGTH:]), jnp.asarray(seg[:, :LENGTH]), index[LENGTH:], index[:LENGTH]
+    return Tokens(jnp.asarray(seg[:, LENGTH:]), index[LENGTH:]), Tokens(jnp.asarray(seg[:, :LENGTH]), index[:LENGTH])
 
 
 @pytest.mark.parametrize(
@@ -148,11 +148,11 @@ def test_standin_kernel_equals_blockwise(heads, packed, kind):
     full: non-causal. Packed rows have a fully padded row (no visible key: zeros, lse -inf, zero grads)."""
     q, k, v = inputs(*HEADS[heads])
     if kind == "preceding":
-        q_seg, kv_seg, q_index, kv_index = ring_piece_case(packed)
+        sides = ring_piece_case(packed)
     else:
         seg = jnp.asarray(packed_segments(2, LENGTH) if packed else np.ones((2, LENGTH), np.int32))
-        q_seg, kv_seg, q_index, kv_index = seg, seg, np.arange(LENGTH), np.arange(LENGTH)
-    args = (q, k, v, q_seg, kv_seg, q_index, kv_index, kind != "full")
+        sides = (Tokens(seg, np.arange(LENGTH)),) * 2
+    args = (q, k, v, *sides, kind != "full")
     assert_same(run(*STANDIN_KERNEL, *args), run(blockwise.forward, blockwise.backward, *args))
 
 
@@ -162,18 +162,19 @@ def test_traced_indices_choose_the_kind_at_run_time():
     the blockwise kernel, the ring step its halves), all equal to blockwise."""
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH))
-    q_seg, kv_seg, q_index, kv_index = ring_piece_case(True)
-    cases = [(seg, seg, np.arange(LENGTH), np.arange(LENGTH)), (q_seg, kv_seg, q_index, kv_index)]
-    cases.append((kv_seg, q_seg, kv_index, q_index))  # queries before keys: general
+    preceding = ring_piece_case(True)
+    cases = [(Tokens(seg, np.arange(LENGTH)),) * 2, preceding, preceding[::-1]]  # queries before keys: general
     index = layout_index(4 * LENGTH, 4, "dual_chunk").reshape(4, LENGTH)
     full = packed_segments(2, 4 * LENGTH, seed=4)
-    cases.append((jnp.asarray(full[:, index[1]]), jnp.asarray(full[:, index[0]]), index[1], index[0]))  # partly
-    kinds = [cudnn.runtime_kind(jnp.asarray(c[2]), jnp.asarray(c[3]), c[0], c[1]) for c in cases]
+    cases.append((Tokens(jnp.asarray(full[:, index[1]]), index[1]), Tokens(jnp.asarray(full[:, index[0]]), index[0])))
+    traced = lambda side: side._replace(index=jnp.asarray(side.index))
+    kinds = [cudnn.runtime_kind(traced(q_side), traced(kv_side)) for q_side, kv_side in cases]
     assert [int(kind) for kind in kinds] == [cudnn.DIAGONAL, cudnn.ALL_VISIBLE, cudnn.GENERAL, cudnn.GENERAL]
-    for q_seg, kv_seg, q_index, kv_index in cases:
-        got = jax.jit(functools.partial(run, *STANDIN_KERNEL, q, k, v, q_seg, kv_seg, causal=True))
-        assert_same(got(q_index, kv_index), run(blockwise.forward, blockwise.backward, q, k, v, q_seg, kv_seg,
-                                                q_index, kv_index, True))  # fmt: skip
+    for q_side, kv_side in cases:
+        sides = lambda qi, ki: (q_side._replace(index=qi), kv_side._replace(index=ki))
+        got = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, q, k, v, *sides(qi, ki), True))
+        want = run(blockwise.forward, blockwise.backward, q, k, v, q_side, kv_side, True)
+        assert_same(got(q_side.index, kv_side.index), want)
 
 
 @pytest.mark.parametrize("ranks", [(2, 1), (1, 2)])
@@ -187,14 +188,14 @@ def test_dual_chunk_ring_steps_run_as_halves(ranks):
     q_seg, kv_seg = jnp.asarray(full[:, q_index]), jnp.asarray(full[:, kv_index])
     assert cudnn.call_kind(q_index, kv_index, True) == cudnn.HALVES
     q, k, v = inputs(*HEADS["gqa"])
-    args = (q, k, v, q_seg, kv_seg)
-    want = run(blockwise.forward, blockwise.backward, *args, q_index, kv_index, True)
-    assert_same(run(*STANDIN_KERNEL, *args, q_index, kv_index, True), want)
-    traced = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, *args, qi, ki, True))
+    sides = lambda qi, ki: (Tokens(q_seg, qi), Tokens(kv_seg, ki))
+    want = run(blockwise.forward, blockwise.backward, q, k, v, *sides(q_index, kv_index), True)
+    assert_same(run(*STANDIN_KERNEL, q, k, v, *sides(q_index, kv_index), True), want)
+    traced = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, q, k, v, *sides(qi, ki), True))
     assert_same(traced(q_index, kv_index), want)
     poisoned = [functools.partial(f, primitives=POISONED, max_segments=24) for f in (cudnn.forward, cudnn.backward)]
     one_document = jnp.ones((2, LENGTH), jnp.int32)  # packed pieces may share no document (all masked out)
-    got = run(*poisoned, q, k, v, one_document, one_document, q_index, kv_index, True)
+    got = run(*poisoned, q, k, v, Tokens(one_document, q_index), Tokens(one_document, kv_index), True)
     assert np.isnan(np.asarray(got[2])).any()
 
 
@@ -202,13 +203,12 @@ def test_backward_adds_into_running_sums():
     """backward(accumulate=sums) is sums + backward, in the sums' dtypes."""
     q, k, v = inputs(*HEADS["mla"])
     seg = jnp.asarray(packed_segments(2, LENGTH))
-    index = np.arange(LENGTH)
-    args = (q, k, v, seg, seg, index, index)
-    static = dict(causal=True, **STATIC)
-    out, lse = STANDIN_KERNEL[0](*args, **static)
+    tokens = Tokens(seg, np.arange(LENGTH))
+    options = Options(causal=True, **BLOCKS)
+    out, lse = STANDIN_KERNEL[0](q, k, v, tokens, tokens, options=options)
     sums = [jnp.full(x.shape, 0.5, jnp.float32) for x in (q, k, v)]
-    got = STANDIN_KERNEL[1](*args, out, lse, out, None, **static, accumulate=sums)
-    fresh = STANDIN_KERNEL[1](*args, out, lse, out, None, **static)
+    got = STANDIN_KERNEL[1](q, k, v, tokens, tokens, out, lse, out, None, options=options, accumulate=sums)
+    fresh = STANDIN_KERNEL[1](q, k, v, tokens, tokens, out, lse, out, None, options=options)
     for total, g in zip(got, fresh, strict=True):
         np.testing.assert_allclose(total, g + 0.5, rtol=1e-6)
 
@@ -235,12 +235,13 @@ def test_real_primitives_trace(heads):
     q, k, v = (x.astype(jnp.bfloat16) for x in inputs(h, hkv, dqk, dv))
     seg = jnp.asarray(packed_segments(2, LENGTH))
     index = np.arange(LENGTH)
-    static = dict(causal=True, **STATIC, max_segments=8)
+    options = Options(causal=True, **BLOCKS)
 
     def loss(q, k, v, index):
         """(dq, dk, dv) of forward then backward, lse's cotangent = lse."""
-        out, lse = cudnn.forward(q, k, v, seg, seg, index, index, **static)
-        return cudnn.backward(q, k, v, seg, seg, index, index, out, lse, out, lse, **static)
+        tokens = Tokens(seg, index)
+        out, lse = cudnn.forward(q, k, v, tokens, tokens, options=options, max_segments=8)
+        return cudnn.backward(q, k, v, tokens, tokens, out, lse, out, lse, options=options, max_segments=8)
 
     # static indices: the diagonal's forward and backward only; traced: the run-time switch's served branches,
     # the diagonal, all-visible and the four quarters of halves
@@ -277,7 +278,7 @@ def test_which_calls_and_backends_it_serves():
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH))
     whole = np.arange(LENGTH)
-    args = (q, k, v, seg, seg.at[:, :4].set(0), whole, whole, True)
+    args = (q, k, v, Tokens(seg, whole), Tokens(seg.at[:, :4].set(0), whole), True)
     assert_same(run(*STANDIN_KERNEL, *args), run(blockwise.forward, blockwise.backward, *args))
     # a whole dual_chunk sequence (a document in two runs) is no packed row: static unservable, traced general
     shuffled = layout_index(LENGTH, 2, "dual_chunk")
@@ -285,29 +286,34 @@ def test_which_calls_and_backends_it_serves():
         cudnn.call_kind(shuffled, shuffled, False)
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH)[:, shuffled])
-    kind = cudnn.runtime_kind(jnp.asarray(shuffled), jnp.asarray(shuffled), seg, seg, causal=False)
-    assert int(kind) == cudnn.GENERAL
-    got = jax.jit(lambda i: run(*STANDIN_KERNEL, q, k, v, seg, seg, i, i, False))(shuffled)
-    assert_same(got, run(blockwise.forward, blockwise.backward, q, k, v, seg, seg, shuffled, shuffled, False))
+    traced = Tokens(seg, jnp.asarray(shuffled))
+    assert int(cudnn.runtime_kind(traced, traced, causal=False)) == cudnn.GENERAL
+    got = jax.jit(lambda i: run(*STANDIN_KERNEL, q, k, v, Tokens(seg, i), Tokens(seg, i), False))(shuffled)
+    want = run(blockwise.forward, blockwise.backward, q, k, v, Tokens(seg, shuffled), Tokens(seg, shuffled), False)
+    assert_same(got, want)
     # traced, one query against keys around it runs the blockwise kernel (no halves branch to trace)
     q, k, v = inputs(*HEADS["gqa"], tq=1)
     one, seg = jnp.ones((2, 1), jnp.int32), jnp.ones((2, LENGTH), jnp.int32)
-    args = (q, k, v, one, seg)
-    got = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, *args, qi, ki, True))(np.array([20]), np.arange(LENGTH))
-    assert_same(got, run(blockwise.forward, blockwise.backward, *args, np.array([20]), np.arange(LENGTH), True))
+    sides = lambda qi, ki: (Tokens(one, qi), Tokens(seg, ki))
+    got = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, q, k, v, *sides(qi, ki), True))(np.array([20]), np.arange(LENGTH))
+    assert_same(
+        got, run(blockwise.forward, blockwise.backward, q, k, v, *sides(np.array([20]), np.arange(LENGTH)), True)
+    )
     with pytest.raises(ValueError, match=r"attention kernel 'cudnn' runs on GPUs of compute capability 9.0 .*not cpu"):
         kernels.select("cudnn", backend="cpu")
     # a static general call through the selected kernel runs the Pallas kernel on GPU (no cuDNN call is traced)
     impl = kernels.select("cudnn", backend="gpu", capability="9.0", interpret=True)
     q, k, v = (x.astype(jnp.bfloat16) for x in inputs(*HEADS["gqa"]))
     seg = jnp.ones((2, LENGTH), jnp.int32)
-    args = (q, k, v, seg, seg, np.arange(LENGTH), np.arange(LENGTH) + 8)
-    got = impl.forward(*args, causal=True, **STATIC)
-    want = pallas.forward(*args, causal=True, **STATIC, interpret=True)
+    sides = (Tokens(seg, np.arange(LENGTH)), Tokens(seg, np.arange(LENGTH) + 8))
+    options = Options(causal=True, **BLOCKS)
+    got = impl.forward(q, k, v, *sides, options=options)
+    want = pallas.forward(q, k, v, *sides, options=options, interpret=True)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
     # inputs the real primitives reject are unservable: float32, or a padded head width past 256
+    diagonal = (sides[0], sides[0])
     with pytest.raises(cudnn.Unservable, match=r"bfloat16 or float16 inputs .*, not float32"):
-        cudnn.forward(*inputs(*HEADS["mha"]), seg, seg, args[5], args[5], causal=True, **STATIC)
+        cudnn.forward(*inputs(*HEADS["mha"]), *diagonal, options=options)
     wide = (x.astype(jnp.bfloat16) for x in inputs(4, 4, 256, 256))
     with pytest.raises(cudnn.Unservable, match="width 264"):
-        cudnn.forward(*wide, seg, seg, args[5], args[5], causal=True, **STATIC)
+        cudnn.forward(*wide, *diagonal, options=options)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
+from parallel.kernels import Options, Tokens
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
 
@@ -62,8 +63,8 @@ def outputs_and_grads(kernel: str, q, k, v, q_seg, kv_seg, q_index, kv_index, ca
     w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
 
     def loss(q, k, v, q_index, kv_index):
-        options = dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_index=q_index, kv_index=kv_index)
-        out, lse = kernels.attention(q, k, v, causal=causal, kernel=kernel, backend="gpu", **options, **BLOCKS)
+        sides = (Tokens(q_seg, q_index), Tokens(kv_seg, kv_index))
+        out, lse = kernels.attention(q, k, v, *sides, Options(causal=causal, **BLOCKS), kernel=kernel, backend="gpu")
         out32 = out.astype(jnp.float32)
         return jnp.sum(out32 * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse), (out32, lse)
 

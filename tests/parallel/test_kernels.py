@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
+from parallel.kernels import Options, Tokens
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
 
@@ -21,14 +22,15 @@ def inputs(heads, kv_heads, dqk, dv, batch=2, tq=LENGTH, tk=LENGTH, seed=0):
     return [jnp.asarray(rng.normal(size=s), jnp.float32) for s in shapes]
 
 
-def outputs_and_grads(kernel, q, k, v, **options):
+def outputs_and_grads(kernel, q, k, v, q_tokens=None, kv_tokens=None, causal=True):
     """(out, lse, dq, dk, dv) of a loss through both outputs (so lse's cotangent reaches the backward)."""
     rng = np.random.default_rng(1)
     w_out = jnp.asarray(rng.normal(size=(*q.shape[:3], v.shape[-1])), jnp.float32)
     w_lse = jnp.asarray(rng.normal(size=q.shape[:3]), jnp.float32)
 
     def loss(q, k, v):
-        out, lse = kernels.attention(q, k, v, kernel=kernel, interpret=True, block_q=16, block_kv=16, **options)
+        options = Options(causal=causal, block_q=16, block_kv=16)
+        out, lse = kernels.attention(q, k, v, q_tokens, kv_tokens, options, kernel=kernel, interpret=True)
         return jnp.sum(out * w_out) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0) * w_lse), (out, lse)
 
     grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
@@ -52,8 +54,8 @@ def assert_same(pallas, blockwise):
 def test_pallas_equals_blockwise(heads, causal, packed):
     """Lengths that are not whole blocks and a fully padded row (zeros, lse -inf) included."""
     q, k, v = inputs(*HEADS[heads], tq=LENGTH - 4, tk=LENGTH - 4)
-    seg = jnp.asarray(packed_segments(2, LENGTH - 4)) if packed else None
-    options = dict(q_segment_ids=seg, kv_segment_ids=seg, causal=causal)
+    tokens = Tokens(jnp.asarray(packed_segments(2, LENGTH - 4)) if packed else None)
+    options = dict(q_tokens=tokens, kv_tokens=tokens, causal=causal)
     assert_same(outputs_and_grads("pallas", q, k, v, **options), outputs_and_grads("blockwise", q, k, v, **options))
 
 
@@ -66,8 +68,8 @@ def test_pallas_equals_blockwise_on_ring_pieces(layout, ranks):
     q_index, kv_index = (jnp.asarray(index[rank]) for rank in ranks)
     q, k, v = inputs(*HEADS["gqa"], tq=piece, tk=piece)
     seg = jnp.asarray(packed_segments(2, shards * piece, seed=3))
-    options = dict(q_segment_ids=seg[:, q_index], kv_segment_ids=seg[:, kv_index], q_index=q_index, kv_index=kv_index)
-    assert_same(outputs_and_grads("pallas", q, k, v, **options), outputs_and_grads("blockwise", q, k, v, **options))
+    sides = (Tokens(seg[:, q_index], q_index), Tokens(seg[:, kv_index], kv_index))
+    assert_same(outputs_and_grads("pallas", q, k, v, *sides), outputs_and_grads("blockwise", q, k, v, *sides))
 
 
 @pytest.mark.parametrize("name", ["blockwise", "pallas"])
@@ -77,17 +79,17 @@ def test_backward_adds_into_running_sums(name):
     impl = kernels.select(name, interpret=True)
     q, k, v = inputs(*HEADS["mla"], tq=LENGTH - 4, tk=LENGTH - 4)
     seg = jnp.asarray(packed_segments(2, LENGTH - 4))
-    index = jnp.arange(LENGTH - 4, dtype=jnp.int32)
-    static = dict(causal=True, scale=0.25, block_q=16, block_kv=16)
-    out, lse = impl.forward(q, k, v, seg, seg, index, index, **static)
+    tokens = Tokens(seg, jnp.arange(LENGTH - 4, dtype=jnp.int32))
+    options = Options(causal=True, scale=0.25, block_q=16, block_kv=16)
+    out, lse = impl.forward(q, k, v, tokens, tokens, options=options)
     dout = jnp.asarray(np.random.default_rng(2).normal(size=out.shape), jnp.float32)
-    args = (q, k, v, seg, seg, index, index, out, lse, dout, None)
+    args = (q, k, v, tokens, tokens, out, lse, dout, None)
     sums = [
         jnp.asarray(np.random.default_rng(3).normal(size=x.shape), dtype)
         for x, dtype in zip((q, k, v), (jnp.float32, jnp.bfloat16, jnp.bfloat16), strict=True)
     ]
-    got = jax.jit(lambda sums: impl.backward(*args, **static, accumulate=sums))(sums)
-    fresh = impl.backward(*args, **static, grad_dtype=jnp.float32)
+    got = jax.jit(lambda sums: impl.backward(*args, options=options, accumulate=sums))(sums)
+    fresh = impl.backward(*args, options=options, grad_dtype=jnp.float32)
     for total, g, start in zip(got, fresh, sums, strict=True):
         assert total.dtype == start.dtype
         want = (start.astype(jnp.float32) + g).astype(start.dtype).astype(jnp.float32)

@@ -1,8 +1,9 @@
 """Blockwise (flash-style) attention in plain JAX, forward and backward: online softmax over key blocks,
 recomputation in the backward pass, and block pairs that share no segment or lie above the causal diagonal skipped
-entirely. The CPU kernel and the reference for the others; `parallel.kernels.attention` makes it differentiable.
+entirely. The CPU kernel and the reference for the others, whose forward / backward take its arguments;
+`parallel.kernels.attention` makes it differentiable.
 
-Causality compares GLOBAL token indices (`q_index`, `kv_index`), so the pieces a device holds may be
+Causality compares GLOBAL token indices (each side's `Tokens.index`), so the pieces a device holds may be
 non-contiguous (load-balanced layouts) and come from different devices (ring steps).
 """
 
@@ -13,6 +14,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from parallel.kernels.arguments import Options, Tokens
 from parallel.segments import INT32_MAX, block_summary, full_blocks, visible_blocks
 
 
@@ -26,10 +28,16 @@ def _pad(x, axis: int, multiple: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _pad_keys_index(kv_index, multiple: int):
-    """Pads [tk] key indices with INT32_MAX: padded keys (segment 0, never visible) then leave the last block's
-    causal range as its real keys', so query blocks before them skip it instead of computing it masked."""
-    return _pad(kv_index, 0, multiple, INT32_MAX)
+def _pad_queries(tokens: Tokens, multiple: int) -> Tokens:
+    """Query segment ids [batch, tq] and indices [tq] padded up to a multiple of `multiple` with zeros."""
+    return Tokens(_pad(tokens.segment_ids, 1, multiple), _pad(tokens.index, 0, multiple))
+
+
+def _pad_keys(tokens: Tokens, multiple: int) -> Tokens:
+    """Key segment ids [batch, tk] padded with 0 and indices [tk] with INT32_MAX up to a multiple of `multiple`:
+    padded keys (segment 0, never visible) then leave the last block's causal range as its real keys', so query
+    blocks before them skip it instead of computing it masked."""
+    return Tokens(_pad(tokens.segment_ids, 1, multiple), _pad(tokens.index, 0, multiple, INT32_MAX))
 
 
 def _padded_blocks(length: int, block: int) -> tuple[int, int]:
@@ -54,6 +62,11 @@ def _take_block(x, b, i, size):
     """Rows [i*size, (i+1)*size) of batch row b of x: [batch, t, ...] -> [size, ...]."""
     start = (b, i * size) + (0,) * (x.ndim - 2)
     return lax.dynamic_slice(x, start, (1, size, *x.shape[2:]))[0]
+
+
+def _side_block(tokens: Tokens, b, i, size) -> Tokens:
+    """Tokens [i*size, (i+1)*size) of batch row b: segment ids and indices, each [size]."""
+    return Tokens(_take_block(tokens.segment_ids, b, i, size), lax.dynamic_slice_in_dim(tokens.index, i * size, size))
 
 
 def _query_block(x, b, i, size, kv_heads: int):
@@ -82,10 +95,11 @@ def _add_at(x, blk, at):
     return lax.dynamic_update_slice(x, (old + blk).astype(x.dtype), at)
 
 
-def _pair_kinds(q_seg, kv_seg, q_index, kv_index, bq: int, bk: int, causal: bool):
-    """[batch, nq, nk] int32 kind of each block pair: SKIP (no visible pair), MASKED (some), FULL (all visible,
-    so no mask is built)."""
-    q_summary, kv_summary = block_summary(q_seg, q_index, bq), block_summary(kv_seg, kv_index, bk)
+def _pair_kinds(q: Tokens, kv: Tokens, bq: int, bk: int, causal: bool):
+    """[batch, nq, nk] int32 kind of each block pair of sides q and kv (padded to whole blocks of bq / bk): SKIP (no
+    visible pair), MASKED (some), FULL (all visible, so no mask is built)."""
+    q_summary = block_summary(q.segment_ids, q.index, bq)
+    kv_summary = block_summary(kv.segment_ids, kv.index, bk)
     visible = visible_blocks(q_summary, kv_summary, causal=causal)
     return visible.astype(jnp.int32) + full_blocks(q_summary, kv_summary, causal=causal).astype(jnp.int32)
 
@@ -93,11 +107,11 @@ def _pair_kinds(q_seg, kv_seg, q_index, kv_index, bq: int, bk: int, causal: bool
 SKIP, MASKED, FULL = 0, 1, 2
 
 
-def _pair_mask(q_seg, kv_seg, q_index, kv_index, group: int, causal: bool):
-    """[bq] / [bk] segment ids and global indices of one block pair -> [1, bq * group, bk] visibility."""
-    mask = (q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] > 0)
+def _pair_mask(q: Tokens, kv: Tokens, group: int, causal: bool):
+    """The tokens of one block pair ([bq] / [bk] ids and indices) -> [1, bq * group, bk] visibility."""
+    mask = (q.segment_ids[:, None] == kv.segment_ids[None, :]) & (q.segment_ids[:, None] > 0)
     if causal:
-        mask &= kv_index[None, :] <= q_index[:, None]
+        mask &= kv.index[None, :] <= q.index[:, None]
     return jnp.broadcast_to(mask[:, None, :], (mask.shape[0], group, mask.shape[1])).reshape(1, -1, mask.shape[1])
 
 
@@ -106,31 +120,33 @@ def _scores(q_blk, k_blk, scale):
     return jnp.einsum("hqd,hkd->hqk", q_blk, k_blk, preferred_element_type=jnp.float32) * scale
 
 
-def forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q, block_kv, out_dtype=None):
-    """Forward pass without the custom VJP (strategies call it directly); same arguments as `attention`,
-    all given. Returns (out [batch, tq, heads, dv] in `out_dtype` (default q's), lse [batch, tq, heads] float32)."""
+def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, out_dtype=None):
+    """Forward pass without the custom VJP (strategies call it directly). q [batch, tq, heads, dqk], k [batch, tk,
+    kv_heads, dqk], v [batch, tk, kv_heads, dv]; the tokens of each side and the options all given (see
+    parallel.kernels.arguments). Returns (out [batch, tq, heads, dv] in `out_dtype` (default q's), lse [batch, tq,
+    heads] float32); a query with no visible key gets zeros and lse -inf."""
     batch, tq, heads = q.shape[:3]
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
-    bq, nq = _padded_blocks(tq, block_q)
-    bk, _ = _padded_blocks(tk, block_kv)
-    q, q_seg, q_index = _pad(q, 1, bq), _pad(q_seg, 1, bq), _pad(q_index, 0, bq)
-    k, v, kv_seg, kv_index = _pad(k, 1, bk), _pad(v, 1, bk), _pad(kv_seg, 1, bk), _pad_keys_index(kv_index, bk)
-    kinds = _pair_kinds(q_seg, kv_seg, q_index, kv_index, bq, bk, causal)
+    causal, scale = options.causal, options.scale
+    bq, nq = _padded_blocks(tq, options.block_q)
+    bk, _ = _padded_blocks(tk, options.block_kv)
+    q, q_tokens = _pad(q, 1, bq), _pad_queries(q_tokens, bq)
+    k, v, kv_tokens = _pad(k, 1, bk), _pad(v, 1, bk), _pad_keys(kv_tokens, bk)
+    kinds = _pair_kinds(q_tokens, kv_tokens, bq, bk, causal)
     first, last = _block_ranges(kinds > SKIP)
 
     def q_block(flat):
         b, i = flat // nq, flat % nq
         q_blk = _query_block(q, b, i, bq, kv_heads)
-        q_seg_blk, q_idx_blk = _take_block(q_seg, b, i, bq), lax.dynamic_slice_in_dim(q_index, i * bq, bq)
+        q_side = _side_block(q_tokens, b, i, bq)
 
         def update(j, masked, carry):
             row_max, row_sum, acc = carry
             k_blk, v_blk = _key_block(k, b, j, bk), _key_block(v, b, j, bk)
             s = _scores(q_blk, k_blk, scale)
             if masked:
-                kv_idx_blk = lax.dynamic_slice_in_dim(kv_index, j * bk, bk)
-                mask = _pair_mask(q_seg_blk, _take_block(kv_seg, b, j, bk), q_idx_blk, kv_idx_blk, group, causal)
+                mask = _pair_mask(q_side, _side_block(kv_tokens, b, j, bk), group, causal)
                 s = jnp.where(mask, s, -jnp.inf)
             new_max = jnp.maximum(row_max, s.max(-1))
             safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -159,28 +175,13 @@ def forward(q, k, v, q_seg, kv_seg, q_index, kv_index, *, causal, scale, block_q
 
 
 def backward(
-    q,
-    k,
-    v,
-    q_seg,
-    kv_seg,
-    q_index,
-    kv_index,
-    out,
-    lse,
-    dout,
-    dlse,
-    *,
-    causal,
-    scale,
-    block_q,
-    block_kv,
-    grad_dtype=None,
+    q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, grad_dtype=None,
     accumulate=None,
-):
-    """Gradients (dq, dk, dv) of `forward` given its final out / lse and their cotangents (dlse may be None),
-    in `grad_dtype` (default: the dtypes of q, k, v); or, given `accumulate` = (dq, dk, dv) running sums (a ring's),
-    those sums with this call's gradients added, in their dtypes, updated in place (no per-call gradient arrays).
+):  # fmt: skip
+    """Gradients (dq, dk, dv) of `forward` (the same q, k, v, tokens and options) given its final out [batch, tq,
+    heads, dv] / lse [batch, tq, heads] and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes
+    of q, k, v); or, given `accumulate` = (dq, dk, dv) running sums (a ring's), those sums with this call's gradients
+    added, in their dtypes, updated in place (no per-call gradient arrays).
 
     One pass over key blocks; for each, the visible query blocks update dk/dv locally and dq in place, and the
     finished dk/dv block is added into dk/dv.
@@ -194,12 +195,13 @@ def backward(
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [batch, tq, heads]
     if dlse is not None:
         delta = delta - dlse
-    bq, _ = _padded_blocks(tq, block_q)
-    bk, nk = _padded_blocks(tk, block_kv)
-    q, dout, q_seg, q_index = _pad(q, 1, bq), _pad(dout, 1, bq), _pad(q_seg, 1, bq), _pad(q_index, 0, bq)
+    causal, scale = options.causal, options.scale
+    bq, _ = _padded_blocks(tq, options.block_q)
+    bk, nk = _padded_blocks(tk, options.block_kv)
+    q, dout, q_tokens = _pad(q, 1, bq), _pad(dout, 1, bq), _pad_queries(q_tokens, bq)
     lse, delta = _pad(lse, 1, bq, -jnp.inf), _pad(delta, 1, bq)
-    k, v, kv_seg, kv_index = _pad(k, 1, bk), _pad(v, 1, bk), _pad(kv_seg, 1, bk), _pad_keys_index(kv_index, bk)
-    kinds_t = jnp.swapaxes(_pair_kinds(q_seg, kv_seg, q_index, kv_index, bq, bk, causal), 1, 2)  # [batch, nk, nq]
+    k, v, kv_tokens = _pad(k, 1, bk), _pad(v, 1, bk), _pad_keys(kv_tokens, bk)
+    kinds_t = jnp.swapaxes(_pair_kinds(q_tokens, kv_tokens, bq, bk, causal), 1, 2)  # [batch, nk, nq]
     first, last = _block_ranges(kinds_t > SKIP)
     lse, delta = lse[..., None], delta[..., None]
 
@@ -207,7 +209,7 @@ def backward(
         dq, dk, dv_ = grads
         b, j = flat // nk, flat % nk
         k_blk, v_blk = _key_block(k, b, j, bk), _key_block(v, b, j, bk)
-        kv_seg_blk, kv_idx_blk = _take_block(kv_seg, b, j, bk), lax.dynamic_slice_in_dim(kv_index, j * bk, bk)
+        kv_side = _side_block(kv_tokens, b, j, bk)
 
         def update(i, masked, dk_blk, dv_blk):
             """(this pair's dq block, dk_blk and dv_blk with its terms added)."""
@@ -216,9 +218,7 @@ def backward(
             s = _scores(q_blk, k_blk, scale)
             p = jnp.exp(s - jnp.where(jnp.isfinite(lse_blk), lse_blk, 0.0))
             if masked:
-                q_idx_blk = lax.dynamic_slice_in_dim(q_index, i * bq, bq)
-                mask = _pair_mask(_take_block(q_seg, b, i, bq), kv_seg_blk, q_idx_blk, kv_idx_blk, group, causal)
-                p = jnp.where(mask, p, 0.0)
+                p = jnp.where(_pair_mask(_side_block(q_tokens, b, i, bq), kv_side, group, causal), p, 0.0)
             dp = jnp.einsum("hqd,hkd->hqk", do_blk, v_blk, preferred_element_type=jnp.float32)
             ds = (p * (dp - delta_blk)).astype(q.dtype)
             dq_blk = jnp.einsum("hqk,hkd->hqd", ds, k_blk, preferred_element_type=jnp.float32) * scale
