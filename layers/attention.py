@@ -1,5 +1,8 @@
 """Grouped-query self-attention with rotary embeddings; the attention itself is `parallel.attention`, the
-projections gather tokens (`parallel.gather`) and reduce-scatter them (`parallel.project_scatter`)."""
+projections gather tokens (`parallel.gather`) and reduce-scatter them (`parallel.project_scatter`).
+
+Optional, as Hugging Face families have them: q/k/v biases (Qwen2's q/k/v_proj bias) and a per-head RMSNorm of
+queries and keys over head_dim before rope (Qwen3's q_norm / k_norm)."""
 
 from __future__ import annotations
 
@@ -8,12 +11,31 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import parallel
-from layers.params import normal_param
+from layers.norm import RMSNorm
+from layers.params import logical_param, normal_param
 from layers.rope import apply_rope, inverse_frequencies
 
 
+class HeadBias(nnx.Module):
+    """A bias of each head's features, `bias` [heads, head_dim] (zeros at first; named `bias`, so it gets no weight
+    decay), added to a projection's output."""
+
+    def __init__(self, num_heads: int, head_dim: int, axes: tuple[str, str], param_dtype=jnp.float32):
+        self.bias = logical_param(jnp.zeros((num_heads, head_dim), param_dtype), axes)
+
+    def __call__(self, y):
+        """y: [batch, length, heads', head_dim] -> y + bias; heads' a multiple of heads (key/value heads repeated
+        for tensor ranks: each bias row repeated alike)."""
+        bias = self.bias[...].astype(y.dtype)
+        return y + jnp.repeat(bias, y.shape[2] // bias.shape[0], axis=0)
+
+
 class Attention(nnx.Module):
-    """GQA/MQA attention: x [batch, length, embed] -> [batch, length, embed]."""
+    """GQA/MQA attention: x [batch, length, embed] -> [batch, length, embed].
+
+    Parameters: q [embed, heads, head_dim], k / v [embed, kv_heads, head_dim], o [heads, head_dim, embed]; with
+    `qkv_bias` q_bias / k_bias / v_bias HeadBias of the heads / kv heads; with `qk_norm` q_norm / k_norm
+    RMSNorm(head_dim, eps=norm_eps)."""
 
     def __init__(
         self,
@@ -24,6 +46,9 @@ class Attention(nnx.Module):
         *,
         rope_theta: float,
         rope_scaling=None,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
         param_dtype=jnp.float32,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -44,14 +69,28 @@ class Attention(nnx.Module):
         self.o = normal_param(
             rngs, (num_heads, head_dim, embed_dim), num_heads * head_dim, ("heads", "head_dim", "embed"), param_dtype
         )
+        heads, kv_heads = ("heads", "head_dim"), ("kv_heads", "head_dim")
+        self.q_bias = HeadBias(num_heads, head_dim, heads, param_dtype) if qkv_bias else None
+        self.k_bias = HeadBias(num_kv_heads, head_dim, kv_heads, param_dtype) if qkv_bias else None
+        self.v_bias = HeadBias(num_kv_heads, head_dim, kv_heads, param_dtype) if qkv_bias else None
+        norm = dict(eps=norm_eps, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+
+    def _project(self, tokens, kernel, bias: HeadBias | None, repeat: bool = False):
+        """tokens.project onto [batch, length, heads, head_dim], plus `bias` when there is one."""
+        y = tokens.project("bte,ehd->bthd", kernel[...].astype(self.dtype), "h", repeat=repeat)
+        return y if bias is None else bias(y)
 
     def __call__(self, x, positions, segment_ids=None):
         """x: [batch, length, embed] (the residual stream's layout, scattered over `tensor` under scattered tensor
         parallelism), positions/segment_ids: [batch, length] -> [batch, length, embed] in x's layout."""
         tokens = parallel.gather(x.astype(self.dtype))
-        q = checkpoint_name(tokens.project("bte,ehd->bthd", self.q[...].astype(self.dtype), "h"), "q_proj")
-        k = checkpoint_name(tokens.project("bte,ehd->bthd", self.k[...].astype(self.dtype), "h", repeat=True), "k_proj")
-        v = checkpoint_name(tokens.project("bte,ehd->bthd", self.v[...].astype(self.dtype), "h", repeat=True), "v_proj")
+        q = checkpoint_name(self._project(tokens, self.q, self.q_bias), "q_proj")
+        k = checkpoint_name(self._project(tokens, self.k, self.k_bias, repeat=True), "k_proj")
+        v = checkpoint_name(self._project(tokens, self.v, self.v_bias, repeat=True), "v_proj")
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq, self.rope_factor)
         k = apply_rope(k, positions, inv_freq, self.rope_factor)

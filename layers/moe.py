@@ -1,4 +1,5 @@
-"""DeepSeek-V2/V3 mixture of experts (as Hugging Face `DeepseekV3MoE` / `DeepseekV2Moe`).
+"""DeepSeek-V2/V3 mixture of experts (as Hugging Face `DeepseekV3MoE` / `DeepseekV2Moe`); with softmax scores,
+one group and no shared experts it is Qwen3-MoE's and Mixtral's (`Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`).
 
 Router scores are DeepSeek-V3's sigmoid, with an aux-loss-free selection bias, or DeepSeek-V2's softmax over all
 experts, without one; optional group-limited routing; routed SwiGLU experts, run where `parallel.routed_experts`
@@ -55,7 +56,8 @@ class MoE(nnx.Module):
     [experts, embed, moe_mlp], experts_down [experts, moe_mlp, embed], shared SwiGLU(moe_mlp * num_shared) or None.
     Hugging Face: router = mlp.gate.weight.T, bias = mlp.gate.e_score_correction_bias (V3),
     experts_{gate,up,down}[i] = mlp.experts.{i}.{gate,up,down}_proj.weight.T,
-    shared.{gate,up,down} = mlp.shared_experts.{gate,up,down}_proj.weight.T.
+    shared.{gate,up,down} = mlp.shared_experts.{gate,up,down}_proj.weight.T (Mixtral: block_sparse_moe.gate and
+    block_sparse_moe.experts.{i}.w1 / w3 / w2 for gate / up / down).
     """
 
     def __init__(

@@ -7,8 +7,18 @@ from flax import nnx
 from models.config import ComputeConfig, ModelConfig
 from models.deepseek import DeepSeek
 from models.llama import Llama
+from models.mixtral import Mixtral
 
-REGISTRY = {"llama": Llama, "deepseek": DeepSeek}
+# model.family -> the decoder that builds it; families whose differences are config fields share one
+REGISTRY = {
+    "llama": Llama,
+    "qwen2": Llama,
+    "qwen3": Llama,
+    "mistral": Llama,
+    "deepseek": DeepSeek,
+    "qwen3_moe": Mixtral,
+    "mixtral": Mixtral,
+}
 
 
 def build(config: ModelConfig, compute: ComputeConfig = ComputeConfig(), *, rngs: nnx.Rngs) -> nnx.Module:

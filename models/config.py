@@ -38,24 +38,27 @@ class ModelConfig:
     context_length: int = 0
     tie_embeddings: bool = False
     param_dtype: str = "float32"
+    # Grouped-query attention (every family but deepseek; Hugging Face names in comments)
+    qkv_bias: bool = False  # q/k/v_proj bias (Qwen2; no o_proj bias, unlike Llama's attention_bias)
+    qk_norm: bool = False  # q_norm / k_norm (Qwen3): RMSNorm over each head's head_dim of q and k before rope
     # Multi-head latent attention (deepseek; Hugging Face names in comments)
     q_lora_rank: int = 0  # q_lora_rank; 0 = full-rank query projection
     kv_lora_rank: int = 0  # kv_lora_rank
     qk_nope_head_dim: int = 0  # qk_nope_head_dim
     qk_rope_head_dim: int = 0  # qk_rope_head_dim (one rotary key shared by all heads)
     v_head_dim: int = 0  # v_head_dim
-    # Mixture of experts (deepseek); num_experts 0 = dense MLP everywhere
-    num_experts: int = 0  # n_routed_experts
+    # Mixture of experts (families in EXPERT_FAMILIES); num_experts 0 = dense MLP everywhere
+    num_experts: int = 0  # n_routed_experts; num_experts (Qwen3-MoE); num_local_experts (Mixtral)
     experts_per_token: int = 0  # num_experts_per_tok
-    moe_mlp_dim: int = 0  # moe_intermediate_size
-    num_shared_experts: int = 0  # n_shared_experts
-    first_dense_layers: int = 0  # first_k_dense_replace
+    moe_mlp_dim: int = 0  # moe_intermediate_size; intermediate_size (Mixtral)
+    num_shared_experts: int = 0  # n_shared_experts (0: no shared expert, as Qwen3-MoE and Mixtral)
+    first_dense_layers: int = 0  # first_k_dense_replace; Qwen3-MoE's mlp_only_layers [0, ..., k - 1]
     n_group: int = 1  # n_group (group-limited routing; 1 = off)
     topk_group: int = 1  # topk_group
     norm_topk_prob: bool = True  # norm_topk_prob
     routed_scaling_factor: float = 1.0  # routed_scaling_factor
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
-    router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (V2, no bias)
+    router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (all others, no bias)
 
     @property
     def num_dense_layers(self) -> int:
@@ -114,10 +117,14 @@ def check_model(m: ModelConfig) -> None:
             f"low_freq_factor={scaling.low_freq_factor}",
         )
     if m.family == "deepseek":
-        _check_deepseek(m)
+        _check_latent(m)
+    _check_experts(m)
 
 
+# families whose decoder has mixture-of-experts blocks (models/mixture.py); the others' blocks are all dense
+EXPERT_FAMILIES = ("deepseek", "qwen3_moe", "mixtral")
 # the rope scaling an unscaled model is stretched with, by family: a type its Hugging Face architecture reads
+# (the others: yarn, as Qwen and Mistral document for long context)
 STRETCH_SCALING = {"llama": "llama3", "deepseek": "yarn"}
 
 
@@ -172,12 +179,27 @@ def _describe(scaling: RopeScalingConfig) -> str:
     return f"{scaling.type} factor {scaling.factor:g} over {scaling.original_max_position_embeddings}"
 
 
-def _check_deepseek(m: ModelConfig) -> None:
-    """Latent attention and mixture-of-experts fields of a deepseek model."""
+def _check_latent(m: ModelConfig) -> None:
+    """Latent attention fields of a deepseek model."""
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for model.family=deepseek")
     require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even")
     require(m.q_lora_rank >= 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0 = full-rank query)")
+    for key in ("qkv_bias", "qk_norm"):
+        require(
+            not getattr(m, key),
+            f"model.{key}=true is a grouped-query attention feature; latent attention (model.family=deepseek) has "
+            f"none: set model.{key}=false",
+        )
+
+
+def _check_experts(m: ModelConfig) -> None:
+    """Mixture-of-experts fields: only a family in EXPERT_FAMILIES has expert blocks."""
+    require(
+        m.num_experts == 0 or m.family in EXPERT_FAMILIES,
+        f"model.num_experts={m.num_experts} needs a family with expert blocks ({', '.join(EXPERT_FAMILIES)}); "
+        f"model.family={m.family} has dense blocks only: set model.num_experts=0",
+    )
     require(
         0 <= m.first_dense_layers <= m.num_layers,
         f"model.first_dense_layers={m.first_dense_layers} must be in [0, model.num_layers={m.num_layers}]",

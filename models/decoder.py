@@ -2,10 +2,13 @@
 
 A family subclasses `Decoder`: its `__init__` calls `super().__init__(config, compute, rngs=rngs)` and builds its
 stacks of blocks; it defines `blocks(x, positions, segment_ids) -> (x, aux)` and, when its blocks report
-something to act on after an optimizer step (expert loads), `balance(aux)`.
+something to act on after an optimizer step (expert loads), `balance(aux)`; models/mixture.py does both for the
+families with expert blocks.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,13 @@ def default_positions(tokens, positions):
     if positions is not None:
         return positions
     return jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+
+
+class Hidden(NamedTuple):
+    """What `Decoder.hidden` returns."""
+
+    states: jax.Array  # final-normed hidden states [batch, length, embed]
+    aux: dict  # what the blocks report beside them, e.g. expert loads (see the family's `blocks`)
 
 
 class Decoder(nnx.Module):
@@ -50,11 +60,11 @@ class Decoder(nnx.Module):
         """x [batch, length, embed] through the family's blocks -> (x, aux)."""
         raise NotImplementedError(f"{type(self).__name__} must define blocks()")
 
-    def hidden(self, tokens, positions=None, segment_ids=None) -> tuple[jax.Array, dict]:
-        """tokens/positions/segment_ids: [batch, length] -> (final-normed hidden [batch, length, embed], aux)."""
+    def hidden(self, tokens, positions=None, segment_ids=None) -> Hidden:
+        """tokens/positions/segment_ids: [batch, length] -> Hidden(states [batch, length, embed], aux)."""
         positions = default_positions(tokens, positions)
         x, aux = self.blocks(parallel.residual(self.embed(tokens)), positions, segment_ids)
-        return parallel.shard(self.final_norm(x), ("batch", "length", "embed")), aux
+        return Hidden(parallel.shard(self.final_norm(x), ("batch", "length", "embed")), aux)
 
     def output_kernel(self) -> jax.Array:
         """[embed, vocab] matrix mapping hidden states to logits."""
@@ -63,8 +73,8 @@ class Decoder(nnx.Module):
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         """-> logits [batch, length, vocab] in float32 (sampling and reference checks; training uses the chunked
         loss on `hidden` and `output_kernel`)."""
-        hidden, _ = self.hidden(tokens, positions, segment_ids)
-        return logits(hidden, self.output_kernel(), compute_dtype(self.compute))
+        states = self.hidden(tokens, positions, segment_ids).states
+        return logits(states, self.output_kernel(), compute_dtype(self.compute))
 
     def balance(self, aux: dict) -> dict:
         """After an optimizer step: updates what the blocks' aux calls for; returns metrics (none here)."""

@@ -21,7 +21,19 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.hf.rope import rope_from_hf, rope_to_hf
-from models.hf.spec import Family, Tensor, check_required, heads_in_to_hf, heads_out_to_hf, same, transpose
+from models.hf.spec import (
+    Family,
+    Tensor,
+    check_required,
+    check_unquantized,
+    dense_layers,
+    heads_in_to_hf,
+    heads_out_to_hf,
+    moe_experts,
+    moe_layers,
+    same,
+    transpose,
+)
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 V2_ARCHITECTURE = "DeepseekV2ForCausalLM"
@@ -72,19 +84,13 @@ V2_DEFAULTS = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
 }
-BIAS = ("moe_layers", "mlp", "bias")  # our router bias: DeepSeek-V3's selection bias, absent from DeepSeek-V2
+BIAS = ("moe_layers", "moe", "bias")  # our router bias: DeepSeek-V3's selection bias, absent from DeepSeek-V2
 
 
 def _check(hf: dict, architecture: str, required: dict) -> None:
     """ValueError for a config.json our model cannot represent, naming the key and the value it needs."""
     check_required(hf, required, f"{architecture}: config.json has")
-    if hf.get("quantization_config"):
-        raise ValueError(
-            f"{architecture}: config.json has quantization_config "
-            f"{hf['quantization_config'].get('quant_method', '')!r}; only unquantized checkpoints are "
-            f"supported: dequantize the weights (FP8 ones with their weight_scale_inv) and drop "
-            f"quantization_config"
-        )
+    check_unquantized(hf, architecture)
     missing = [key for key in SIZES if hf.get(key) is None]
     if missing:
         raise ValueError(f"{architecture}: config.json lacks {', '.join(missing)}")
@@ -231,26 +237,6 @@ def v2_config_to_hf(config: ModelConfig) -> dict:
     }
 
 
-def dense_layers(config: ModelConfig):
-    """Hugging Face layer i fills slice i of the dense stack."""
-    for layer in range(config.num_dense_layers):
-        yield {"layer": layer}, (layer,)
-
-
-def moe_layers(config: ModelConfig):
-    """Hugging Face layer num_dense_layers + j fills slice j of the MoE stack."""
-    first = config.num_dense_layers
-    for layer in range(config.num_layers - first):
-        yield {"layer": first + layer}, (layer,)
-
-
-def moe_experts(config: ModelConfig):
-    """Expert e of Hugging Face layer num_dense_layers + j fills slice [j, e] of a stacked expert kernel."""
-    for fields, (layer,) in moe_layers(config):
-        for expert in range(config.num_experts):
-            yield dict(fields, expert=expert), (layer, expert)
-
-
 def heads_in(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
     """q/q_b/kv_b_proj weight [heads * head_dim, in] -> kernel [in, heads, head_dim]."""
     return weight.T.reshape(weight.shape[1], config.num_heads, -1)
@@ -322,13 +308,13 @@ def _attention(stack: str, slices, config: ModelConfig, interleaved: bool) -> li
 def _experts(config: ModelConfig, selection_bias: bool) -> list[Tensor]:
     """Router, selection bias (if `selection_bias`), routed and shared experts of the MoE stack."""
     mlp = "model.layers.{layer}.mlp."
-    table = [Tensor(mlp + "gate.weight", ("moe_layers", "mlp", "router"), transpose, transpose, moe_layers)]
+    table = [Tensor(mlp + "gate.weight", ("moe_layers", "moe", "router"), transpose, transpose, moe_layers)]
     if selection_bias:
         table.append(Tensor(mlp + "gate.e_score_correction_bias", BIAS, slices=moe_layers))
     table += [
         Tensor(
             mlp + "experts.{expert}." + f"{name}_proj.weight",
-            ("moe_layers", "mlp", f"experts_{name}"),
+            ("moe_layers", "moe", f"experts_{name}"),
             transpose,
             transpose,
             moe_experts,
@@ -339,7 +325,7 @@ def _experts(config: ModelConfig, selection_bias: bool) -> list[Tensor]:
         table += [
             Tensor(
                 mlp + f"shared_experts.{name}_proj.weight",
-                ("moe_layers", "mlp", "shared", name),
+                ("moe_layers", "moe", "shared", name),
                 transpose,
                 transpose,
                 moe_layers,

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.hf import deepseek, llama
+from models.hf import deepseek, llama, mistral, qwen
 from models.hf.spec import Family
 
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, deepseek.FAMILY, deepseek.V2_FAMILY)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY,
+    deepseek.FAMILY,
+    deepseek.V2_FAMILY,
+    qwen.QWEN2_FAMILY,
+    qwen.QWEN3_FAMILY,
+    qwen.QWEN3_MOE_FAMILY,
+    mistral.MISTRAL_FAMILY,
+    mistral.MIXTRAL_FAMILY,
+)
 
 
 def by_architecture(hf_config: dict) -> Family:

@@ -25,6 +25,26 @@ def check_required(settings: dict, required: dict, what: str) -> None:
             raise ValueError(f"{what} {key}={settings[key]!r}; only {key}={value!r} is supported")
 
 
+def check_unquantized(hf: dict, architecture: str) -> None:
+    """ValueError for a config.json with a quantization_config: its weights are not the model's floats."""
+    if hf.get("quantization_config"):
+        raise ValueError(
+            f"{architecture}: config.json has quantization_config "
+            f"{hf['quantization_config'].get('quant_method', '')!r}; only unquantized checkpoints are "
+            f"supported: dequantize the weights (FP8 ones with their weight_scale_inv) and drop "
+            f"quantization_config"
+        )
+
+
+def check_fields(config: ModelConfig, required: dict, architecture: str) -> None:
+    """ValueError unless each ModelConfig field in `required` has the value `architecture` represents (export)."""
+    for key, value in required.items():
+        if getattr(config, key) != value:
+            raise ValueError(
+                f"{architecture} cannot hold model.{key}={getattr(config, key)!r}; it needs model.{key}={value!r}"
+            )
+
+
 def whole(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
     """One Hugging Face tensor fills the whole parameter."""
     del config
@@ -35,6 +55,26 @@ def per_layer(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
     """Hugging Face layer i fills slice i of a parameter stacked on a leading layer axis."""
     for layer in range(config.num_layers):
         yield {"layer": layer}, (layer,)
+
+
+def dense_layers(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
+    """Hugging Face layer i fills slice i of the dense stack (a decoder with expert blocks, models/mixture.py)."""
+    for layer in range(config.num_dense_layers):
+        yield {"layer": layer}, (layer,)
+
+
+def moe_layers(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
+    """Hugging Face layer num_dense_layers + j fills slice j of the MoE stack."""
+    first = config.num_dense_layers
+    for layer in range(config.num_layers - first):
+        yield {"layer": first + layer}, (layer,)
+
+
+def moe_experts(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
+    """Expert e of Hugging Face layer num_dense_layers + j fills slice [j, e] of a stacked expert kernel."""
+    for fields, (layer,) in moe_layers(config):
+        for expert in range(config.num_experts):
+            yield dict(fields, expert=expert), (layer, expert)
 
 
 def nothing(config: ModelConfig) -> tuple[tuple[str, ...], ...]:

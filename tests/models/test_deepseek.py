@@ -46,7 +46,7 @@ def test_balance_raises_the_bias_of_under_loaded_experts():
     model = models.build(TINY, rngs=nnx.Rngs(0))
     counts = jnp.asarray([[10.0, 0, 0, 0, 0, 0, 0, 6]] * 2)
     metrics = model.balance({"expert_counts": counts, "expert_dropped": jnp.asarray([2.0, 0.0])})
-    bias = np.asarray(model.moe_layers.mlp.bias[...])
+    bias = np.asarray(model.moe_layers.moe.bias[...])
     rate = TINY.router_bias_rate
     np.testing.assert_allclose(bias[:, 0], -rate)
     np.testing.assert_allclose(bias[:, 1], rate)
@@ -109,10 +109,10 @@ def test_train_step_moves_the_router_bias_outside_the_gradient():
     with jax.set_mesh(mesh):
         new_state, metrics = step(jax.tree.map(jnp.copy, state.state), batch)
     model = nnx.merge(state.graphdef, new_state)[0]
-    bias = np.asarray(model.moe_layers.mlp.bias[...])
+    bias = np.asarray(model.moe_layers.moe.bias[...])
     assert np.all(np.isin(np.round(bias / TINY.router_bias_rate), [-1, 0, 1])) and np.any(bias != 0)
     assert float(metrics["expert_imbalance"]) >= 1.0
     before = nnx.merge(state.graphdef, state.state)[0]
     np.testing.assert_array_equal(
-        np.asarray(model.moe_layers.mlp.experts_up[...]), np.asarray(before.moe_layers.mlp.experts_up[...])
+        np.asarray(model.moe_layers.moe.experts_up[...]), np.asarray(before.moe_layers.moe.experts_up[...])
     )

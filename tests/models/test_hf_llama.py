@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from models.hf import load_pretrained, save_pretrained
 from models.hf.convert import abstract_model
+from tests.models.hf_reference import hf_logits, hf_tensors, tokens
 from train import hf as cli
 from train.checkpoint import restore_model_params
 from train.config import load_config
@@ -65,15 +66,6 @@ def hf_llama(path, *, vocab_size=128, max_shard_size="10MB", **fields) -> LlamaF
                 param.add_(0.2 * torch.randn_like(param))
     model.save_pretrained(path, max_shard_size=max_shard_size)
     return model
-
-
-def tokens(vocab_size=128):
-    return np.random.default_rng(0).integers(0, vocab_size, size=(2, 24)).astype(np.int32)
-
-
-def hf_logits(model, ids) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.from_numpy(ids).long()).logits.numpy()
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -132,10 +124,6 @@ def test_bfloat16_checkpoint_round_trips_bit_for_bit(tmp_path):
     for name in original:
         assert torch.equal(exported[name], original[name]), name
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
-
-
-def hf_tensors(path) -> dict:
-    return {k: v for file in sorted(pathlib.Path(path).glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
 def test_cli_import_seeds_training_and_export_of_its_checkpoint_round_trips(tmp_path):
@@ -206,9 +194,9 @@ def test_cli_import_seeds_training_and_export_of_its_checkpoint_round_trips(tmp_
 def test_unsupported_architecture_and_rope_type_are_named(tmp_path):
     hf_llama(tmp_path, num_attention_heads=4)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["MistralForCausalLM"])))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["Gemma3ForCausalLM"])))
     with pytest.raises(
-        ValueError, match="'MistralForCausalLM' is not supported; supported architectures: LlamaForCausalLM"
+        ValueError, match="'Gemma3ForCausalLM' is not supported; supported architectures: LlamaForCausalLM"
     ):
         load_pretrained(tmp_path)
     config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}

@@ -1,0 +1,54 @@
+"""The pre-norm block every family is made of: x + attn(attn_norm(x)), then + the feed-forward of mlp_norm(x), a
+dense SwiGLU (`mlp`) or a mixture of experts (`moe`). A family gives the attention (models/llama.py: grouped-query;
+models/deepseek.py: latent)."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+import parallel
+from layers.mlp import SwiGLU
+from layers.moe import MoE
+from layers.norm import RMSNorm
+from models.config import ModelConfig
+
+
+def experts(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MoE:
+    """The mixture of experts of `config`: routed experts (and shared ones) with the routing its fields say."""
+    return MoE(
+        config.embed_dim,
+        num_experts=config.num_experts,
+        experts_per_token=config.experts_per_token,
+        moe_mlp_dim=config.moe_mlp_dim,
+        num_shared_experts=config.num_shared_experts,
+        n_group=config.n_group,
+        topk_group=config.topk_group,
+        norm_topk_prob=config.norm_topk_prob,
+        routed_scaling_factor=config.routed_scaling_factor,
+        router_score=config.router_score,
+        rngs=rngs,
+        **kw,
+    )
+
+
+class Block(nnx.Module):
+    """x [batch, length, embed] -> (x, expert stats or None). `attention` is the family's attention module, made
+    with the same rngs just before the block ((x, positions, segment_ids) -> [batch, length, embed]); `moe` chooses
+    the feed-forward: `moe` = experts(config) and `mlp` None, or `mlp` = SwiGLU(embed_dim, mlp_dim) and `moe` None."""
+
+    def __init__(self, config: ModelConfig, attention: nnx.Module, *, moe: bool, rngs: nnx.Rngs, **kw):
+        self.attn_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.attn = attention
+        self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.mlp = None if moe else SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
+        self.moe = experts(config, rngs=rngs, **kw) if moe else None
+
+    def __call__(self, x, positions, segment_ids):
+        """x: [batch, length, embed], positions/segment_ids: [batch, length] -> (x, None) from a dense block, (x,
+        {"counts": assignments per expert [experts], "dropped": assignments past the dispatch capacity []} float32)
+        from an MoE block."""
+        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        if self.moe is None:
+            return parallel.residual(x + self.mlp(self.mlp_norm(x))), None
+        y, stats = self.moe(self.mlp_norm(x))
+        return parallel.residual(x + y), stats

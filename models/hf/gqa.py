@@ -1,0 +1,152 @@
+"""What Llama-style checkpoints share (Llama; Qwen2, Qwen3, Qwen3-MoE; Mistral, Mixtral): the config.json sizes, the
+embedding, each layer's norms and grouped-query attention (q/k/v biases, q/k norms), the dense MLP, routed experts,
+the final norm and the output head.
+
+Hugging Face keeps q/k projections in the rotate-half layout (its conversion from Meta's checkpoints permutes
+them), which is `layers.rope.apply_rope`'s default, so projections are only transposed and reshaped.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models.config import ModelConfig
+from models.hf.rope import rope_from_hf, rope_to_hf
+from models.hf.spec import (
+    Tensor,
+    check_required,
+    check_unquantized,
+    heads_in_to_hf,
+    heads_out_to_hf,
+    moe_experts,
+    moe_layers,
+    transpose,
+)
+
+ROUTER_BIAS = ("moe_layers", "moe", "bias")  # our router bias, which softmax routing leaves at zero
+
+
+def config_from_hf(hf: dict, family: str, architecture: str, required: dict, rope_types, **fields) -> ModelConfig:
+    """ModelConfig of a config.json whose left-out keys the caller filled with its config class's defaults:
+    `required` keys checked, quantized checkpoints refused; `fields` are the family's own ModelConfig fields. A
+    head_dim of None is hidden_size / num_attention_heads, as transformers reads it."""
+    check_required(hf, required, f"{architecture}: config.json has")
+    check_unquantized(hf, architecture)
+    heads = hf["num_attention_heads"]
+    return ModelConfig(
+        family=family,
+        vocab_size=hf["vocab_size"],
+        embed_dim=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        mlp_dim=hf["intermediate_size"],
+        norm_eps=float(hf["rms_norm_eps"]),
+        tie_embeddings=bool(hf["tie_word_embeddings"]),
+        **rope_from_hf(hf, architecture, rope_types),
+        **fields,
+    )
+
+
+def config_to_hf(config: ModelConfig, architecture: str, model_type: str, rope_types) -> dict:
+    """The config.json keys of `config_from_hf`'s sizes and rope. max_position_embeddings (unused by our model) is
+    the rope scaling's factor x original_max_position_embeddings (8192 without scaling)."""
+    rope = config.rope_scaling
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.embed_dim,
+        "intermediate_size": config.mlp_dim,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "rms_norm_eps": config.norm_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "max_position_embeddings": int(rope.factor * rope.original_max_position_embeddings),
+        **rope_to_hf(config, architecture, rope_types),
+    }
+
+
+def heads_in(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """q/k/v_proj weight [heads * head_dim, embed] -> kernel [embed, heads, head_dim]."""
+    return weight.T.reshape(weight.shape[1], -1, config.head_dim)
+
+
+def heads_out(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """o_proj weight [embed, heads * head_dim] -> kernel [heads, head_dim, embed]."""
+    return weight.T.reshape(-1, config.head_dim, weight.shape[0])
+
+
+def bias_in(bias: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """q/k/v_proj bias [heads * head_dim] -> [heads, head_dim]."""
+    return bias.reshape(-1, config.head_dim)
+
+
+def bias_out(bias: np.ndarray, config: ModelConfig) -> np.ndarray:
+    """[heads, head_dim] -> q/k/v_proj bias [heads * head_dim]."""
+    del config
+    return bias.reshape(-1)
+
+
+def attention(config: ModelConfig, stack: str, slices) -> list[Tensor]:
+    """The norms and grouped-query attention of the layers `slices` puts in our stack `stack`: q/k/v biases when
+    qkv_bias, q/k norms when qk_norm."""
+    layer, attn = "model.layers.{layer}.", "model.layers.{layer}.self_attn."
+    ours = (stack, "attn")
+    table = [Tensor(layer + "input_layernorm.weight", (stack, "attn_norm", "scale"), slices=slices)]
+    table += [Tensor(attn + f"{p}_proj.weight", (*ours, p), heads_in, heads_in_to_hf, slices) for p in "qkv"]
+    if config.qkv_bias:
+        table += [
+            Tensor(attn + f"{p}_proj.bias", (*ours, f"{p}_bias", "bias"), bias_in, bias_out, slices) for p in "qkv"
+        ]
+    if config.qk_norm:
+        table += [Tensor(attn + f"{p}_norm.weight", (*ours, f"{p}_norm", "scale"), slices=slices) for p in "qk"]
+    return [
+        *table,
+        Tensor(attn + "o_proj.weight", (*ours, "o"), heads_out, heads_out_to_hf, slices),
+        Tensor(layer + "post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), slices=slices),
+    ]
+
+
+def mlp(stack: str, slices) -> list[Tensor]:
+    """The dense SwiGLU (mlp.{gate,up,down}_proj) of the layers `slices` puts in our stack `stack`."""
+    return [
+        Tensor("model.layers.{layer}." + f"mlp.{p}_proj.weight", (stack, "mlp", p), transpose, transpose, slices)
+        for p in ("gate", "up", "down")
+    ]
+
+
+def experts(module: str, names: dict[str, str]) -> list[Tensor]:
+    """The router (`module`.gate.weight) and routed experts (`module`.experts.{e}.<names[p]>.weight for our p in
+    gate / up / down) of the MoE layers."""
+    prefix = "model.layers.{layer}." + module + "."
+    return [
+        Tensor(prefix + "gate.weight", ("moe_layers", "moe", "router"), transpose, transpose, moe_layers),
+        *(
+            Tensor(
+                prefix + "experts.{expert}." + f"{names[p]}.weight",
+                ("moe_layers", "moe", f"experts_{p}"),
+                transpose,
+                transpose,
+                moe_experts,
+            )
+            for p in ("gate", "up", "down")
+        ),
+    ]
+
+
+def router_bias(config: ModelConfig) -> tuple[tuple[str, ...], ...]:
+    """Our router bias, which softmax-routed checkpoints do not hold (when there are MoE layers)."""
+    return (ROUTER_BIAS,) if config.num_moe_layers else ()
+
+
+def checkpoint(config: ModelConfig, layers: list[Tensor]) -> list[Tensor]:
+    """The whole table: embedding, `layers`, final norm, and lm_head.weight unless the embeddings are tied."""
+    table = [Tensor("model.embed_tokens.weight", ("embed", "embedding")), *layers]
+    table.append(Tensor("model.norm.weight", ("final_norm", "scale")))
+    if not config.tie_embeddings:
+        table.append(Tensor("lm_head.weight", ("head", "kernel"), transpose, transpose))
+    return table

@@ -1,0 +1,106 @@
+"""Hugging Face `MistralForCausalLM` and `MixtralForCausalLM` <-> our `mistral` and `mixtral` families, in
+models/hf/gqa.py's layout, without a sliding window (a config.json with one is refused until the model has it).
+
+Mixtral's every layer is a mixture of `num_local_experts` experts of size intermediate_size (Hugging Face w1 / w3 /
+w2 = our gate / up / down), routed by a softmax top-k with the chosen weights renormalised. router_jitter_noise and
+router_aux_loss_coef (transformers' training settings) are not applied.
+"""
+
+from __future__ import annotations
+
+from models.config import ModelConfig
+from models.hf import gqa
+from models.hf.spec import Family, Tensor, check_fields, moe_layers, per_layer
+from models.hf.window import check_no_window
+
+MISTRAL, MIXTRAL = "MistralForCausalLM", "MixtralForCausalLM"
+ROPE_TYPES = ("default", "yarn")
+# config.json keys whose other values our model cannot represent -> the value it needs (written on export)
+REQUIRED = {"hidden_act": "silu"}
+# the config classes' values for the keys a config.json may leave out (MistralConfig's sliding_window: 4096)
+DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+MIXTRAL_DEFAULTS = {
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "rope_theta": 1e6,
+    "sliding_window": None,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+}
+# ModelConfig fields each architecture holds only with these values
+FIELDS = {"qkv_bias": False, "qk_norm": False}
+MIXTRAL_FIELDS = {
+    **FIELDS,
+    "router_score": "softmax",
+    "norm_topk_prob": True,
+    "num_shared_experts": 0,
+    "n_group": 1,
+    "routed_scaling_factor": 1.0,
+    "first_dense_layers": 0,
+}
+MIXTRAL_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}  # our expert matrix -> Mixtral's name
+
+
+def mistral_config_from_hf(hf: dict) -> ModelConfig:
+    """config.json of a MistralForCausalLM without a sliding window -> ModelConfig (runtime fields left at their
+    defaults)."""
+    check_no_window(hf, MISTRAL, default_window=4096)
+    return gqa.config_from_hf({**DEFAULTS, **hf}, "mistral", MISTRAL, REQUIRED, ROPE_TYPES)
+
+
+def mixtral_config_from_hf(hf: dict) -> ModelConfig:
+    """config.json of a MixtralForCausalLM without a sliding window -> ModelConfig with a softmax router and a
+    frozen (zero) router bias (runtime fields left at their defaults)."""
+    hf = {**MIXTRAL_DEFAULTS, **hf}
+    check_no_window(hf, MIXTRAL, default_window=None)
+    return gqa.config_from_hf(
+        hf,
+        "mixtral",
+        MIXTRAL,
+        REQUIRED,
+        ROPE_TYPES,
+        num_experts=hf["num_local_experts"],
+        experts_per_token=hf["num_experts_per_tok"],
+        moe_mlp_dim=hf["intermediate_size"],
+        router_score="softmax",
+        router_bias_rate=0.0,
+    )
+
+
+def mistral_config_to_hf(config: ModelConfig) -> dict:
+    """ModelConfig -> config.json of a MistralForCausalLM with full attention."""
+    check_fields(config, FIELDS, MISTRAL)
+    return {**gqa.config_to_hf(config, MISTRAL, "mistral", ROPE_TYPES), **REQUIRED, "sliding_window": None}
+
+
+def mixtral_config_to_hf(config: ModelConfig) -> dict:
+    """ModelConfig of MoE layers only, routed by a renormalised softmax top-k -> config.json of a
+    MixtralForCausalLM with full attention (intermediate_size: the experts' moe_mlp_dim)."""
+    check_fields(config, MIXTRAL_FIELDS, MIXTRAL)
+    return {
+        **gqa.config_to_hf(config, MIXTRAL, "mixtral", ROPE_TYPES),
+        **REQUIRED,
+        "sliding_window": None,
+        "intermediate_size": config.moe_mlp_dim,
+        "num_local_experts": config.num_experts,
+        "num_experts_per_tok": config.experts_per_token,
+    }
+
+
+def mistral_tensors(config: ModelConfig) -> list[Tensor]:
+    """Every tensor of a MistralForCausalLM checkpoint; lm_head.weight only when embeddings are untied."""
+    return gqa.checkpoint(config, gqa.attention(config, "layers", per_layer) + gqa.mlp("layers", per_layer))
+
+
+def mixtral_tensors(config: ModelConfig) -> list[Tensor]:
+    """Every tensor of a MixtralForCausalLM checkpoint: attention, router (block_sparse_moe.gate) and experts
+    (block_sparse_moe.experts.{e}.w1 / w3 / w2) of each layer."""
+    return gqa.checkpoint(
+        config, gqa.attention(config, "moe_layers", moe_layers) + gqa.experts("block_sparse_moe", MIXTRAL_EXPERTS)
+    )
+
+
+MISTRAL_FAMILY = Family(MISTRAL, "mistral", mistral_config_from_hf, mistral_config_to_hf, mistral_tensors)
+MIXTRAL_FAMILY = Family(
+    MIXTRAL, "mixtral", mixtral_config_from_hf, mixtral_config_to_hf, mixtral_tensors, zeros=gqa.router_bias
+)

@@ -1,0 +1,14 @@
+"""Mixtral and Qwen3-MoE: Llama-style blocks (grouped-query attention; q/k norms for Qwen3-MoE) ending in a mixture
+of experts routed by a softmax top-k without shared experts; the first `first_dense_layers` blocks dense (Qwen3-MoE's
+mlp_only_layers), see models/mixture.py."""
+
+from __future__ import annotations
+
+from models import llama
+from models.mixture import MixtureDecoder
+
+
+class Mixtral(MixtureDecoder):
+    """`num_dense_layers` dense blocks, then `num_moe_layers` MoE blocks, of grouped-query attention."""
+
+    block = llama.Block

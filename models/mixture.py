@@ -1,0 +1,69 @@
+"""A decoder with mixture-of-experts blocks: the first `num_dense_layers` blocks end in a dense SwiGLU, the other
+`num_moe_layers` in a mixture of experts (all dense when `num_experts` is 0), as two scanned stacks.
+
+Expert loads come back from `hidden` as aux; `balance` turns them into the aux-loss-free router-bias update and the
+load metrics after each optimizer step. A family (models/deepseek.py, models/mixtral.py) names its block class.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from layers.moe import load_imbalance, update_router_bias
+from models.config import ComputeConfig, ModelConfig
+from models.decoder import Decoder
+from models.stack import make_stack, run_stack
+
+
+class MixtureDecoder(Decoder):
+    """`dense_layers` then `moe_layers` (each None when empty) between the shared embedding and head.
+
+    `block` is the family's block class: block(config, moe=..., rngs=..., param_dtype=..., dtype=...)."""
+
+    block: type[nnx.Module]
+
+    def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
+        super().__init__(config, compute, rngs=rngs)
+        kw = self.dtypes()
+        self.dense_layers = (
+            make_stack(lambda r: self.block(config, moe=False, rngs=r, **kw), config.num_dense_layers, rngs)
+            if config.num_dense_layers
+            else None
+        )
+        self.moe_layers = (
+            make_stack(lambda r: self.block(config, moe=True, rngs=r, **kw), config.num_moe_layers, rngs)
+            if config.num_moe_layers
+            else None
+        )
+
+    def blocks(self, x, positions, segment_ids):
+        """-> (x, aux {"expert_counts": [moe layers, experts], "expert_dropped": [moe layers]} float32, empty
+        without MoE layers)."""
+        aux = {}
+        policy = self.compute.remat_policy
+        if self.dense_layers is not None:
+            x, _ = run_stack(self.dense_layers, x, positions, segment_ids, remat_policy=policy)
+        if self.moe_layers is not None:
+            x, stats = run_stack(self.moe_layers, x, positions, segment_ids, remat_policy=policy)
+            aux = {"expert_counts": stats["counts"], "expert_dropped": stats["dropped"]}
+        return x, aux
+
+    def balance(self, aux) -> dict:
+        """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate
+        `router_bias_rate`; 0 for softmax routing, whose bias stays zero) and returns the load metrics (imbalance =
+        max / mean expert load, worst layer) and the fraction of assignments dropped by the expert dispatch (all MoE
+        layers)."""
+        if self.moe_layers is None:
+            return {}
+        counts = jax.lax.stop_gradient(aux["expert_counts"])
+        bias = self.moe_layers.moe.bias
+        bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], counts, self.config.router_bias_rate)
+        imbalance = jax.vmap(load_imbalance)(counts)
+        dropped = jnp.sum(aux["expert_dropped"]) / jnp.maximum(jnp.sum(counts), 1.0)
+        return {
+            "expert_imbalance": jnp.max(imbalance),
+            "expert_imbalance_mean": jnp.mean(imbalance),
+            "expert_dropped": dropped,
+        }

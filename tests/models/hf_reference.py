@@ -1,0 +1,71 @@
+"""What the Hugging Face tests share: tiny random transformers models whose mapping errors show in the logits,
+tokens, both sides' logits, a checkpoint's tensors, and the import / export round trip at 1e-4 (float32)."""
+
+import pathlib
+
+import numpy as np
+import torch
+from flax import nnx
+from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM
+
+from models.hf import load_pretrained, save_pretrained
+
+
+def save_random(model, path, max_shard_size="10MB"):
+    """`model` (random, initializer_range 0.1) with norm scales 1 + N(0, 0.2) and biases N(0, 0.1), so that a wrong
+    mapping shows in the logits, saved to `path`; returns it in eval mode."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.2 * torch.randn_like(param))
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1)
+    model.save_pretrained(path, max_shard_size=max_shard_size)
+    return model.eval()
+
+
+def tokens(vocab_size=128, length=24):
+    """[2, length] int32 token ids."""
+    return np.random.default_rng(0).integers(0, vocab_size, size=(2, length)).astype(np.int32)
+
+
+def hf_logits(model, ids) -> np.ndarray:
+    """A transformers model's logits [batch, length, vocab] for ids [batch, length]."""
+    with torch.no_grad():
+        return model(torch.from_numpy(ids).long()).logits.numpy()
+
+
+def our_logits(model, ids) -> np.ndarray:
+    """Our model's logits [batch, length, vocab] for ids [batch, length], jitted."""
+    return np.asarray(nnx.jit(lambda m, x: m(x))(model, ids))
+
+
+def hf_tensors(path) -> dict:
+    """Every tensor of the safetensors files in `path`, by name."""
+    return {k: v for file in sorted(pathlib.Path(path).glob("*.safetensors")) for k, v in load_file(file).items()}
+
+
+def assert_round_trip(reference, source: pathlib.Path, out: pathlib.Path, vocab_size=128):
+    """Imports `source` (where `reference` was saved): our logits within 1e-4 of reference's; exports it to `out` in
+    shards: transformers loads every tensor (none missing or unexpected) as reference's class, its logits within
+    1e-4 of ours, and the tensors are the source's. Returns our model."""
+    model = load_pretrained(source)
+    ids = tokens(vocab_size)
+    expected = hf_logits(reference, ids)
+    assert np.abs(expected).max() > 1.0  # large enough for a mapping error to show
+    logits = our_logits(model, ids)
+    np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
+
+    assert len(save_pretrained(model, out, max_shard_bytes=40_000)) > 1
+    exported, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    assert type(exported) is type(reference)
+    assert exported.config.to_dict()["rope_parameters"] == reference.config.to_dict()["rope_parameters"]
+    np.testing.assert_allclose(hf_logits(exported.eval(), ids), logits, rtol=0, atol=1e-4)
+    original, written = hf_tensors(source), hf_tensors(out)
+    assert sorted(written) == sorted(original)
+    for name in original:
+        np.testing.assert_array_equal(written[name], original[name], err_msg=name)
+    return model

@@ -1,0 +1,93 @@
+"""Each family's train step over context=8 ring equals one device's (loss and gradients, packed rows), the expert
+families' also with experts over expert x context, and q/k/v biases with q/k norms over tensor=4 with repeated
+key/value heads; biases and norm scales are random so that a misplaced one shows. The registry's expert families
+are the ones check_model lets have experts."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from models.config import EXPERT_FAMILIES, ConfigError, check_model
+from models.mixture import MixtureDecoder
+from tests.train.step_reference import assert_same_step, first_step, initial_state
+from train.config import MeshConfig, ModelConfig, ParallelConfig
+
+DENSE = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64)
+EXPERTS = dict(
+    num_experts=8, experts_per_token=2, moe_mlp_dim=16, router_score="softmax", router_bias_rate=0.0, num_layers=2
+)
+FAMILIES = {
+    "qwen2": dataclasses.replace(DENSE, family="qwen2", qkv_bias=True),
+    "qwen3": dataclasses.replace(DENSE, family="qwen3", qk_norm=True),
+    "mistral": dataclasses.replace(DENSE, family="mistral"),
+    "qwen3_moe": dataclasses.replace(
+        DENSE, family="qwen3_moe", qk_norm=True, first_dense_layers=1, norm_topk_prob=False, **EXPERTS
+    ),
+    "mixtral": dataclasses.replace(DENSE, family="mixtral", **EXPERTS),
+}
+# both attention features at once, for tensor parallelism (features are fields, whatever the family)
+BIASED_NORMED = dataclasses.replace(DENSE, family="qwen2", qkv_bias=True, qk_norm=True)
+# capacity factor num_experts / experts_per_token: expert parallelism drops nothing
+RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)
+PLAIN = ParallelConfig(block_q=8, block_kv=8)
+
+
+def randomised(host_state):
+    """The state with attention biases N(0, 0.1) and norm scales 1 + N(0, 0.2) (they start at 0 and 1)."""
+    rng = np.random.default_rng(0)
+
+    def change(path, leaf):
+        name = jax.tree_util.keystr(path)
+        if name.startswith("[0]") and "_bias']['bias" in name:
+            return leaf + rng.normal(0.0, 0.1, leaf.shape).astype(leaf.dtype)
+        if name.startswith("[0]") and "['scale']" in name:
+            return leaf + rng.normal(0.0, 0.2, leaf.shape).astype(leaf.dtype)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(change, host_state)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """ModelConfig -> (host state, one-device step result), computed on first use."""
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            host_state = randomised(initial_state(model))
+            cache[model] = host_state, first_step(host_state, model, MeshConfig(fsdp=1), PLAIN, jax.devices()[:1])
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "model, mesh_config, parallel_config",
+    [
+        *((FAMILIES[name], MeshConfig(fsdp=1, context=8), RING) for name in FAMILIES),
+        (FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING),
+        (FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING),
+        (BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN),
+    ],
+    ids=[*(f"{name}-ring8" for name in FAMILIES), "qwen3_moe-expert2-ring4", "mixtral-expert2-ring4", "qkv-tensor4"],
+)
+def test_step_equals_one_device(references, model, mesh_config, parallel_config):
+    host_state, reference = references(model)
+    assert_same_step(first_step(host_state, model, mesh_config, parallel_config, jax.devices()), reference)
+
+
+def test_expert_families_are_the_registrys_mixture_decoders():
+    assert {family for family, decoder in models.REGISTRY.items() if issubclass(decoder, MixtureDecoder)} == set(
+        EXPERT_FAMILIES
+    )
+    with pytest.raises(ConfigError, match=r"num_experts=8 needs a family with expert blocks .*=qwen3 has dense blocks"):
+        check_model(dataclasses.replace(FAMILIES["qwen3_moe"], family="qwen3"))
+    with pytest.raises(ConfigError, match=r"model\.qk_norm=true is a grouped-query attention feature"):
+        check_model(
+            ModelConfig(
+                family="deepseek", kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, qk_norm=True
+            )
+        )
