@@ -36,6 +36,7 @@ from bench.report import ratio
 from bench.tp_collectives import BYTES, _group_size, _prod, moved_bytes
 from layers.moe import MoE, expert_swiglu
 from parallel.mesh import make_mesh, state_shardings
+from parallel.plan import Plan, use_plan
 from parallel.tensor import residual_spec
 from train.config import MeshConfig, load_config
 from train.memory import CPU_OPTIONS
@@ -83,13 +84,13 @@ def block_step(config, impl, length: int, chunk: int = 0):
     )
     graphdef, state = nnx.split(moe)
     mesh = make_mesh(MeshConfig(fsdp=-1, context=CONTEXT))
-    plan = parallel.plans.Plan(expert_chunk=chunk)
+    plan = Plan(expert_chunk=chunk)
 
     def loss(state, x):
         y, stats = impl(nnx.merge(graphdef, state), x)
         return jnp.sum(y.astype(jnp.float32) ** 2) + stats["dropped"]
 
-    with jax.set_mesh(mesh), parallel.plans.use(plan):
+    with jax.set_mesh(mesh), use_plan(plan):
         shardings = nnx.state(state_shardings(state, mesh))
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
         x = jax.ShapeDtypeStruct(
@@ -100,7 +101,7 @@ def block_step(config, impl, length: int, chunk: int = 0):
 
 def compiled(config, impl, length: int, chunk: int = 0):
     step, args, mesh, plan = block_step(config, impl, length, chunk)
-    with jax.set_mesh(mesh), parallel.plans.use(plan):
+    with jax.set_mesh(mesh), use_plan(plan):
         return step.lower(*args).compile(CPU_OPTIONS)
 
 
@@ -119,7 +120,7 @@ def all_to_all_bytes(hlo: str) -> float:
 def seconds(config, impl, length: int, repeats: int) -> float:
     """Best wall time of the block's forward + backward on real (random) arrays."""
     step, (state, x), mesh, plan = block_step(config, impl, length)
-    with jax.set_mesh(mesh), parallel.plans.use(plan):
+    with jax.set_mesh(mesh), use_plan(plan):
         real = jax.tree.map(
             lambda a: jax.device_put(
                 0.02 * jax.random.normal(jax.random.key(0), a.shape, a.dtype)

@@ -38,8 +38,8 @@ import numpy as np
 from flax import nnx
 
 from bench.report import ratio, skip
-from parallel.configure import make_plan
 from parallel.mesh import batch_sharding, check_batch, make_mesh
+from parallel.planning import make_plan
 from train.config import Config, load_config
 from train.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
 from train.optimizer import make_optimizer

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 
-from parallel import plans
+from parallel.plan import current_plan
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj", "mlp_gate", "mlp_up", "mlp_down")
 
@@ -55,7 +55,7 @@ def check_policy(policy: str, platform: str) -> None:
 def remat(fn, policy: str):
     """Wraps `fn` in jax.checkpoint with the named policy ('none' returns fn unchanged), checked for the platform
     the traced step compiles for (the installed parallel plan's; JAX's default backend without one)."""
-    check_policy(policy, plans.current().platform or jax.default_backend())
+    check_policy(policy, current_plan().platform or jax.default_backend())
     if policy == "none":
         return fn
     return jax.checkpoint(fn, policy=POLICIES[policy], prevent_cse=False)

@@ -10,14 +10,14 @@ import dataclasses
 
 import jax
 
-from parallel import plan as plans
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
+from parallel.plan import current_plan
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
-__all__ = ["attention", "gather", "plans", "project_scatter", "residual", "routed_experts", "shard"]
+__all__ = ["attention", "gather", "project_scatter", "residual", "routed_experts", "shard"]
 
 
 def attention(
@@ -29,11 +29,11 @@ def attention(
     arrays with length sharded over mesh `axis` and ordered by `layout` (contiguous, dual_chunk or striped with
     `stripe`, for the size of `axis`) -> [batch, length, heads, dv] in the same order. `segment_ids`
     [batch, length] (0 = padding) keeps attention within a document; causality refers to the original order.
-    Arguments left None come from the plan installed by `parallel.plan.use` (default: strategy "none",
+    Arguments left None come from the plan installed by `parallel.plan.use_plan` (default: strategy "none",
     axis "context", contiguous layout); mesh None = the mesh set by `jax.set_mesh`.
     """
     given = dict(strategy=strategy, axis=axis, layout=layout, stripe=stripe, mesh=mesh)
-    plan = dataclasses.replace(plans.current(), **{key: value for key, value in given.items() if value is not None})
+    plan = dataclasses.replace(current_plan(), **{key: value for key, value in given.items() if value is not None})
     if plan.strategy not in STRATEGIES:
         raise ValueError(f"attention strategy {plan.strategy!r} is unknown; available: {', '.join(STRATEGIES)}")
     if plan.layout not in LAYOUTS:

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from parallel import plan as plans
 from parallel.mesh import logical_spec
+from parallel.plan import current_plan
 from parallel.tensor import residual_spec
 
 DISPATCHES = ("capacity", "ragged")
@@ -71,7 +71,7 @@ def routed_experts(
     -> (y [batch, length, embed] in x's dtype and layout, routed assignments per expert [experts] float32 and
     dropped assignments float32, both summed over every device)."""
     mesh = jax.sharding.get_abstract_mesh()
-    plan = plans.current()
+    plan = current_plan()
     if plan.expert_dispatch not in DISPATCHES:
         raise ValueError(f"expert dispatch {plan.expert_dispatch!r} is unknown; available: {', '.join(DISPATCHES)}")
     layout = _token_layout(mesh, x.shape)

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from parallel import kernels
-from parallel import plan as plans
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
+from parallel.plan import Plan, use_plan
 from parallel.reorder import layout_index
 from parallel.strategies.common import plan_kernel
 
@@ -135,7 +135,7 @@ def _route(tokens, router, k: int):
     return weights, experts.astype(jnp.int32)
 
 
-def dispatch_error(plan: plans.Plan, mesh, num_experts: int, k: int, dtype) -> str | None:
+def dispatch_error(plan: Plan, mesh, num_experts: int, k: int, dtype) -> str | None:
     """Runs the MoE dispatch of `plan` and the capacity dispatch (room for every assignment) on `mesh`, forward and
     backward, on a few tokens per device routed to `num_experts` experts (k each), and compares them inside the
     program (every process gets the same replicated errors). None when they agree, else what differed or the error
@@ -149,7 +149,7 @@ def dispatch_error(plan: plans.Plan, mesh, num_experts: int, k: int, dtype) -> s
     w = jax.random.normal(jax.random.key(3), (num_experts, embed, embed), dtype) / 4
     reference = dataclasses.replace(plan, expert_dispatch="capacity", expert_capacity=float(num_experts))
 
-    def grads(x, w, dispatch: plans.Plan):
+    def grads(x, w, dispatch: Plan):
         """{y, dx, dw} float32 of `dispatch` (installed while tracing)."""
 
         def loss(x, w):
@@ -157,7 +157,7 @@ def dispatch_error(plan: plans.Plan, mesh, num_experts: int, k: int, dtype) -> s
             y = y.astype(jnp.float32)
             return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
 
-        with plans.use(dispatch):
+        with use_plan(dispatch):
             (dx, dw), y = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, w)
         return dict(y=y, dx=dx.astype(jnp.float32), dw=dw.astype(jnp.float32))
 
@@ -191,7 +191,7 @@ def _anywhere(problem: str | None) -> str | None:
     return problem or ("found on another process" if np.any(failed) else None)
 
 
-def checked(plan: plans.Plan, mesh, *, dims: tuple[int, int, int, int], experts: tuple[int, int], dtype) -> plans.Plan:
+def checked(plan: Plan, mesh, *, dims: tuple[int, int, int, int], experts: tuple[int, int], dtype) -> Plan:
     """`plan`, with the blockwise kernel / capacity dispatch in place of a fused kernel / the ragged dispatch that
     disagrees with it (the kernel on each process's first device of `mesh`, the dispatch on `mesh`; a warning says
     which and why). The model's attention `dims` (heads, kv heads, q-k and v head dims; the check uses at most 2 kv

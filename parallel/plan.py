@@ -1,4 +1,4 @@
-"""How the code traced inside `use(plan)` is parallelised: attention strategy, mesh axis and sequence layout,
+"""How the code traced inside `use_plan(plan)` is parallelised: attention strategy, mesh axis and sequence layout,
 whether the residual stream is scattered over `tensor` (parallel/tensor.py), and how MoE tokens reach their
 experts (parallel/experts.py).
 
@@ -52,13 +52,13 @@ class Plan:
 _CURRENT = contextvars.ContextVar("plan", default=Plan())
 
 
-def current() -> Plan:
-    """The plan installed by the innermost `use`, else the default (single-device, contiguous)."""
+def current_plan() -> Plan:
+    """The plan installed by the innermost `use_plan`, else the default (single-device, contiguous)."""
     return _CURRENT.get()
 
 
 @contextlib.contextmanager
-def use(plan: Plan):
+def use_plan(plan: Plan):
     """Installs `plan` for attention calls traced inside the block."""
     token = _CURRENT.set(plan)
     try:

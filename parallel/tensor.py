@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from parallel import plan as plans
 from parallel.mesh import logical_spec
+from parallel.plan import current_plan
 
 AXIS = "tensor"
 
@@ -36,7 +36,7 @@ def tensor_shards() -> int:
 
 def scatter_shards() -> int:
     """Number of tensor-parallel ranks the residual stream is scattered over (1 = not scattered)."""
-    return tensor_shards() if plans.current().scatter else 1
+    return tensor_shards() if current_plan().scatter else 1
 
 
 def token_specs(ndim: int) -> tuple[PartitionSpec, PartitionSpec]:

@@ -20,8 +20,8 @@ import numpy as np
 from flax import nnx
 
 from models.remat import check_policy
-from parallel.configure import make_plan
 from parallel.mesh import batch_sharding, make_mesh
+from parallel.planning import make_plan
 from train.config import Config, check_built_mesh
 from train.data import BATCH_FIELDS
 from train.optimizer import make_optimizer

@@ -15,9 +15,9 @@ from flax import nnx
 
 from layers.loss import logits
 from models.dtypes import compute_dtype
-from parallel import plan as plans
-from parallel.configure import to_layout
 from parallel.mesh import batch_sharding, batch_shards, length_shards
+from parallel.plan import Plan, use_plan
+from parallel.planning import to_layout
 from parallel.reorder import layout_index
 from train.data import splits
 from train.errors import DataError
@@ -44,7 +44,7 @@ def filler_tokens(config, tokenizer, count: int, source=None) -> np.ndarray:
     return np.concatenate([np.asarray(t, np.int32) for t in tokens])
 
 
-def model_predictor(graphdef, mesh, plan: plans.Plan) -> Callable[[nnx.State, np.ndarray, np.ndarray], np.ndarray]:
+def model_predictor(graphdef, mesh, plan: Plan) -> Callable[[nnx.State, np.ndarray, np.ndarray], np.ndarray]:
     """`predict(state, tokens, at)`, which with a model state bound (functools.partial) is the `predict` of
     train/haystack.py's `score`: the model of `graphdef` (the model alone) on its sharded `state`, one forward pass
     per call over `mesh`, the rows in `plan`'s sequence layout (context parallelism included), the head applied
@@ -53,7 +53,7 @@ def model_predictor(graphdef, mesh, plan: plans.Plan) -> Callable[[nnx.State, np
 
     @jax.jit
     def argmax_at(state, batch, at):
-        with plans.use(plan):
+        with use_plan(plan):
             model = nnx.merge(graphdef, state)
             hidden, _ = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
             picked = jnp.take_along_axis(hidden, at[..., None], axis=1)  # [rows, n, embed]

@@ -7,8 +7,8 @@ import logging
 
 from models.dtypes import compute_dtype
 from parallel import first_contact
-from parallel.configure import make_plan
 from parallel.plan import Plan
+from parallel.planning import make_plan
 from train.config import Config
 
 log = logging.getLogger(__name__)

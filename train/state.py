@@ -61,4 +61,3 @@ def create_state(
     graphdef, _, shardings = abstract_state(model_config, tx, mesh, compute=compute)
     init = jax.jit(lambda: nnx.split(_build(model_config, compute, tx, seed))[1], out_shardings=shardings)
     return TrainState(graphdef, init(), shardings)
-

@@ -1,6 +1,6 @@
 """The jitted training and evaluation steps: segment-masked chunked loss, gradient accumulation, update.
 
-Each step traces its body under `parallel.plan.use(plan)`, so `parallel.attention` in the model runs the
+Each step traces its body under `parallel.plan.use_plan(plan)`, so `parallel.attention` in the model runs the
 configured context strategy on batches already in the plan's sequence layout."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from flax import nnx
 
 from layers.loss import chunked_cross_entropy
 from models.dtypes import compute_dtype
-from parallel import plan as plans
 from parallel.mesh import batch_sharding
+from parallel.plan import Plan, use_plan
 from parallel.token_sums import token_sums
 from train.data import BATCH_FIELDS
 
@@ -66,13 +66,13 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     )
 
 
-def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, plan: plans.Plan = plans.Plan()):
+def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, plan: Plan = Plan()):
     """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated.
     Batch arrays [batch, length] are in `plan.layout` order."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
-        with plans.use(plan):  # inside: jit traces on the first call
+        with use_plan(plan):  # inside: jit traces on the first call
             model, optimizer = nnx.merge(graphdef, state)
             grads, loss, count, aux = accumulated_grads(model, batch, chunk_size, accum_steps)
             optimizer.update(model, grads)
@@ -103,13 +103,13 @@ def position_weights(batch, buckets) -> jax.Array:
     return jnp.stack([mask, *(mask * bucket for bucket in inside)], axis=-1).astype(jnp.float32)
 
 
-def make_eval_step(train_state, mesh, *, chunk_size: int, plan: plans.Plan = plans.Plan(), buckets=()):
+def make_eval_step(train_state, mesh, *, chunk_size: int, plan: Plan = Plan(), buckets=()):
     """jit(state, batch) -> (loss sums, token counts), each [1 + len(buckets)] float32, on held-out data in
     `plan.layout` order: all loss tokens, then those at document positions in each (start, end) of `buckets`."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
-        with plans.use(plan):
+        with use_plan(plan):
             model, _ = nnx.merge(graphdef, state)
             return loss_sums(model, batch, chunk_size, position_weights(batch, buckets))[:2]
 

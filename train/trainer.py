@@ -21,8 +21,8 @@ import numpy as np
 from flax import nnx
 
 from models.dtypes import compute_dtype
-from parallel.configure import to_layout
 from parallel.mesh import batch_sharding, process_rows
+from parallel.planning import to_layout
 from train import peers
 from train.config import Config, to_dict
 from train.errors import NonFiniteLoss

@@ -10,8 +10,8 @@ import pytest
 
 import train.__main__ as cli
 from parallel import targets
-from parallel.configure import make_plan
 from parallel.mesh import make_mesh
+from parallel.planning import make_plan
 from tests.train.tiny_run import REPO, TINY
 from train import environment
 from train.config import load_config

@@ -12,17 +12,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from layers.moe import MoE
-from parallel import plans
-from parallel.configure import expert_dispatch
 from parallel.experts import capacity, expert_axes, ragged_layout
 from parallel.mesh import MeshError, make_mesh, state_shardings
+from parallel.plan import Plan, use_plan
+from parallel.planning import expert_dispatch
 from parallel.tensor import residual_spec
 from train.config import MeshConfig, ParallelConfig
 
 EMBED, MLP, EXPERTS, K = 16, 8, 8, 2
 BATCH, LENGTH = 8, 16
 DROPLESS = EXPERTS / K  # capacity factor whose buffers hold every assignment of a device
-DROPLESS_PLAN = plans.Plan(expert_capacity=DROPLESS)
+DROPLESS_PLAN = Plan(expert_capacity=DROPLESS)
 
 
 def make_moe(score: str) -> MoE:
@@ -53,7 +53,7 @@ def run(
     moe: MoE,
     x,
     mesh_config: MeshConfig | None = None,
-    plan: plans.Plan = plans.Plan(expert_capacity=DROPLESS),
+    plan: Plan = Plan(expert_capacity=DROPLESS),
     x_spec: PartitionSpec | None = None,
 ):
     """(y, counts, dropped, d loss / d x, d loss / d params) of the MoE on `mesh_config` (None: one device), x
@@ -66,7 +66,7 @@ def run(
         return jnp.sum(y * cotangent), (y, stats)
 
     step = jax.grad(forward, argnums=(0, 1), has_aux=True)
-    with plans.use(plan):
+    with use_plan(plan):
         if mesh_config is None:
             (grad_state, grad_x), (y, stats) = jax.jit(step)(state, x)
         else:
@@ -182,7 +182,7 @@ def test_capacity_drops_equal_numpy_reference():
     moe = make_moe("sigmoid")
     moe.shared = None
     x = tokens()
-    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, context=8), plans.Plan(expert_capacity=0.5))
+    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, context=8), Plan(expert_capacity=0.5))
     expected, expected_dropped = numpy_capacity_reference(moe, np.asarray(x, np.float64), 8, 0.5)
     assert expected_dropped > 0 and dropped == expected_dropped
     assert counts.sum() == BATCH * LENGTH * K
@@ -301,7 +301,7 @@ def test_a_shape_that_does_not_split_runs_dropless_on_every_token():
     """E.g. sampling: 3 rows of 7 tokens on expert=2 x context=4; the partitioner places a dropless MoE."""
     moe = make_moe("sigmoid")
     x = tokens()[:3, :7]
-    small = plans.Plan(expert_capacity=0.1)  # a capacity this small would drop
+    small = Plan(expert_capacity=0.1)  # a capacity this small would drop
     y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, expert=2, context=4), small, x_spec=PartitionSpec())
     ref_y, ref_counts, _, _, _ = run(moe, x)
     assert_close(y, ref_y, "output")

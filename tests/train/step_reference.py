@@ -10,8 +10,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import batch_sharding, make_mesh
+from parallel.planning import check_context, make_plan, to_layout
 from train.config import ComputeConfig, MeshConfig, ModelConfig, ParallelConfig
 from train.state import TrainState, abstract_state, create_state
 from train.step import make_eval_step, make_train_step

@@ -16,7 +16,7 @@ import models
 from layers import moe, rope
 from models import dtypes, remat
 from parallel import experts, kernels, reorder, strategies
-from parallel import plan as plans
+from parallel.plan import RING_GRAD_DTYPES
 from train import data, sources
 from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config, to_dict
 from train.loop import check_run_directory
@@ -256,7 +256,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "parallel.balance_layout": [layout for layout in reorder.LAYOUTS if layout != "contiguous"],
         "parallel.expert_dispatch": ("auto", *experts.DISPATCHES),
         "parallel.attention_kernel": kernels.KERNELS,
-        "parallel.ring_grad_dtype": plans.RING_GRAD_DTYPES,
+        "parallel.ring_grad_dtype": RING_GRAD_DTYPES,
     }
     assert CHOICES.keys() == registries.keys()
     for key, registry in registries.items():

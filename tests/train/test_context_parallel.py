@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from parallel import targets
-from parallel.configure import check_context, make_plan, to_layout
 from parallel.mesh import MeshError
 from parallel.plan import Plan
+from parallel.planning import check_context, make_plan, to_layout
 from parallel.reorder import from_balanced
 from tests.train.step_reference import (
     LENGTH,

@@ -14,8 +14,8 @@ from flax import nnx
 import models
 from models.hf import save_pretrained
 from models.hf.reader import SafetensorsError, SafetensorsFile
-from parallel.configure import check_tensor
 from parallel.mesh import MeshError
+from parallel.planning import check_tensor
 from train import hf
 from train.__main__ import main
 from train.config import ConfigError, DataConfig, ModelConfig, load_config

@@ -13,8 +13,8 @@ from flax import nnx
 import train.__main__ as cli
 import train.memory
 from models.remat import POLICIES, RematError, check_policy, remat
-from parallel.configure import make_plan
 from parallel.mesh import batch_sharding, make_mesh
+from parallel.planning import make_plan
 from tests.train import tiny_run
 from train.__main__ import DOES_NOT_FIT, main
 from train.config import ConfigError, load_config

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from parallel.configure import make_plan
 from parallel.mesh import make_mesh
+from parallel.planning import make_plan
 from tests.train.step_reference import COMPUTE, initial_state, keep_grads
 from train.config import MeshConfig, ModelConfig, ParallelConfig
 from train.haystack import TASKS, answer_positions, build, score

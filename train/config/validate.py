@@ -16,10 +16,10 @@ from layers.rope import SCALINGS
 from models.config import ConfigError, check_model, require
 from models.dtypes import COMPUTE_DTYPES, PARAM_DTYPES
 from models.remat import POLICIES
-from parallel.configure import EXPERT_DISPATCHES, check_context, check_tensor
 from parallel.kernels import KERNELS
 from parallel.mesh import MeshError, check_batch
 from parallel.plan import RING_GRAD_DTYPES
+from parallel.planning import EXPERT_DISPATCHES, check_context, check_tensor
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
 from train.config.schema import FORMATS, PACKINGS, Config, MeshConfig

@@ -1,9 +1,8 @@
 """The parallel plan from a run config: the size checks, `make_plan`, the host-side sequence reorder.
 
-Knows config-shaped objects only: a `parallel` section (context_strategy, load_balance, balance_layout, stripe,
-block_q, block_kv, attention_kernel, scatter_residual, expert_dispatch, expert_capacity_factor,
-expert_chunk_size)
-and mesh axis sizes (context, ulysses, tensor).
+Knows config-shaped objects only: the run config's `parallel` section, `settings` here (context_strategy,
+load_balance, balance_layout, stripe, block_q, block_kv, attention_kernel, scatter_residual, expert_dispatch,
+expert_capacity_factor, expert_chunk_size), and mesh axis sizes (context, ulysses, tensor).
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ def _require(ok: bool, message: str) -> None:
         raise MeshError(message)
 
 
-def layout_for(parallel, context: int) -> str:
+def layout_for(settings, context: int) -> str:
     """The sequence layout: the balanced one when load balancing over more than one context device."""
-    return parallel.balance_layout if parallel.load_balance and context > 1 else "contiguous"
+    return settings.balance_layout if settings.load_balance and context > 1 else "contiguous"
 
 
 def check_tensor(tensor: int, dims: Mapping[str, int]) -> None:
@@ -44,10 +43,10 @@ def check_tensor(tensor: int, dims: Mapping[str, int]) -> None:
             )
 
 
-def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads: int) -> None:
+def check_context(settings, sizes: Mapping[str, int], *, seq_len: int, num_heads: int) -> None:
     """Raises MeshError (naming the key, the value and what is allowed) when `parallel.context_strategy` does
     not fit the mesh axis `sizes` (context, ulysses, tensor; absent = 1), `seq_len` or `num_heads`."""
-    strategy = parallel.context_strategy
+    strategy = settings.context_strategy
     context, ulysses, tensor = (sizes.get(name, 1) for name in ("context", "ulysses", "tensor"))
     _require(
         strategy != "none" or context == 1,
@@ -61,7 +60,7 @@ def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads
     )
     shards = f"mesh.context={context}" + (f" x mesh.ulysses={ulysses}" if ulysses > 1 else "")
     _require(seq_len % (context * ulysses) == 0, f"data.seq_len={seq_len} must be divisible by {shards}")
-    layout = layout_for(parallel, context)
+    layout = layout_for(settings, context)
     if layout == "dual_chunk":
         _require(
             seq_len % (2 * context) == 0,
@@ -70,11 +69,11 @@ def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads
         )
     if layout == "striped":
         _require(
-            seq_len % (context * parallel.stripe) == 0,
+            seq_len % (context * settings.stripe) == 0,
             f"data.seq_len={seq_len} must be divisible by mesh.context={context} x "
-            f"parallel.stripe={parallel.stripe} for parallel.balance_layout=striped",
+            f"parallel.stripe={settings.stripe} for parallel.balance_layout=striped",
         )
-    if parallel.scatter_residual and tensor > 1:
+    if settings.scatter_residual and tensor > 1:
         _require(
             seq_len % (context * ulysses * tensor) == 0,
             f"data.seq_len={seq_len} must be divisible by {shards} x mesh.tensor={tensor}: "
@@ -95,10 +94,10 @@ def check_context(parallel, sizes: Mapping[str, int], *, seq_len: int, num_heads
 EXPERT_DISPATCHES = ("auto", *DISPATCHES)
 
 
-def expert_dispatch(parallel, platform: str) -> str:
+def expert_dispatch(settings, platform: str) -> str:
     """`parallel.expert_dispatch` on devices of `platform` (cpu, gpu, tpu): auto = ragged on GPU/TPU, capacity on
     CPU. Raises MeshError for ragged on CPU, whose compiler has no ragged all-to-all."""
-    dispatch = parallel.expert_dispatch
+    dispatch = settings.expert_dispatch
     _require(
         dispatch in EXPERT_DISPATCHES,
         f"parallel.expert_dispatch={dispatch!r} is not allowed; choose one of {', '.join(EXPERT_DISPATCHES)}",
@@ -113,40 +112,40 @@ def expert_dispatch(parallel, platform: str) -> str:
     return dispatch
 
 
-def attention_kernel(parallel, platform: str, capability: str | None = None) -> str:
+def attention_kernel(settings, platform: str, capability: str | None = None) -> str:
     """`parallel.attention_kernel` on devices of `platform` and CUDA compute `capability` (auto resolved, see
     parallel.kernels.select); raises MeshError naming the value when it is unknown or cannot run there (pallas and
     cudnn compile for GPU only, cudnn for Hopper and newer)."""
     try:
-        return kernels.select(parallel.attention_kernel, backend=platform, capability=capability).name
+        return kernels.select(settings.attention_kernel, backend=platform, capability=capability).name
     except ValueError as error:
-        raise MeshError(f"parallel.attention_kernel={parallel.attention_kernel!r}: {error}") from None
+        raise MeshError(f"parallel.attention_kernel={settings.attention_kernel!r}: {error}") from None
 
 
-def make_plan(parallel, sizes: Mapping[str, int], device=None) -> Plan:
+def make_plan(settings, sizes: Mapping[str, int], device=None) -> Plan:
     """The plan for the traced steps on devices like `device` (a jax Device of the mesh; None = a CPU): strategy, mesh
     axis ("context"; usp: ("context", "ulysses")), layout for the context size in `sizes`, stripe, the attention
     kernel and its block sizes, scattered tensor parallelism and the MoE dispatch (`expert_dispatch`), each resolved
     for that device's platform, never for the backend of the machine that compiles. The mesh comes from
     `jax.set_mesh`."""
-    strategy = parallel.context_strategy
+    strategy = settings.context_strategy
     platform = "cpu" if device is None else device.platform
     capability = getattr(device, "compute_capability", None) if platform == "gpu" else None
     return Plan(
         strategy=strategy,
         axis=("context", "ulysses") if strategy == "usp" else "context",
-        layout=layout_for(parallel, sizes.get("context", 1)),
-        stripe=parallel.stripe,
-        block_q=parallel.block_q,
-        block_kv=parallel.block_kv,
-        kernel=attention_kernel(parallel, platform, capability),
+        layout=layout_for(settings, sizes.get("context", 1)),
+        stripe=settings.stripe,
+        block_q=settings.block_q,
+        block_kv=settings.block_kv,
+        kernel=attention_kernel(settings, platform, capability),
         platform=platform,
         capability=capability,
-        scatter=parallel.scatter_residual,
-        expert_dispatch=expert_dispatch(parallel, platform),
-        expert_capacity=parallel.expert_capacity_factor,
-        expert_chunk=parallel.expert_chunk_size,
-        ring_grad_dtype=parallel.ring_grad_dtype,
+        scatter=settings.scatter_residual,
+        expert_dispatch=expert_dispatch(settings, platform),
+        expert_capacity=settings.expert_capacity_factor,
+        expert_chunk=settings.expert_chunk_size,
+        ring_grad_dtype=settings.ring_grad_dtype,
     )
 
 
