@@ -61,35 +61,14 @@ def full_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool) -> jax.Array
     return full
 
 
-MASKS = ("padding", "causal", "bottom_right_causal")
-
-
-def _row_seqlens_offsets(q_seg, kv_seg, q_pos, kv_pos, num_segments: int, mask: str):
-    """One row: [Tq], [Tk] ids and positions -> four [num_segments - 1] int32 arrays."""
-
-    def reduce(op, data, seg):
-        return op(data, seg, num_segments=num_segments)
-
-    q_has = reduce(jax.ops.segment_sum, jnp.ones_like(q_seg), q_seg) > 0
-    kv_has = reduce(jax.ops.segment_sum, jnp.ones_like(kv_seg), kv_seg) > 0
-    if mask == "padding":
-        q_vis, kv_vis = kv_has[q_seg], q_has[kv_seg]
-    elif mask == "causal":
-        # empty segments reduce to the int32 identities, so they compare as never visible
-        kv_lo = reduce(jax.ops.segment_min, kv_pos, kv_seg)
-        q_hi = reduce(jax.ops.segment_max, q_pos, q_seg)
-        q_vis, kv_vis = kv_lo[q_seg] <= q_pos, kv_pos <= q_hi[kv_seg]
-    else:
-        # bottom-right: shift positions so each segment's last key and last query sit at 0
-        kv_hi = reduce(jax.ops.segment_max, kv_pos, kv_seg)
-        kv_span = jnp.where(kv_has, reduce(jax.ops.segment_min, kv_pos, kv_seg) - kv_hi, INT32_MAX)
-        q_hi = reduce(jax.ops.segment_max, q_pos, q_seg)
-        q_vis = kv_span[q_seg] <= q_pos - q_hi[q_seg]
-        # the last query (shifted 0) sees every key, whose shifted position is <= 0
-        kv_vis = q_has[kv_seg]
+def _row_seqlens_offsets(q_seg, kv_seg, num_segments: int):
+    """One row: [Tq], [Tk] ids -> four [num_segments - 1] int32 arrays: a query (key) token is visible when its
+    segment has a key (query) in the other array."""
+    q_has = jax.ops.segment_sum(jnp.ones_like(q_seg), q_seg, num_segments=num_segments) > 0
+    kv_has = jax.ops.segment_sum(jnp.ones_like(kv_seg), kv_seg, num_segments=num_segments) > 0
     return (
-        *_count_first(q_vis & (q_seg > 0), q_seg, num_segments),
-        *_count_first(kv_vis & (kv_seg > 0), kv_seg, num_segments),
+        *_count_first(kv_has[q_seg] & (q_seg > 0), q_seg, num_segments),
+        *_count_first(q_has[kv_seg] & (kv_seg > 0), kv_seg, num_segments),
     )
 
 
@@ -101,27 +80,21 @@ def _count_first(visible, seg, num_segments: int):
     return count, jnp.where(count > 0, first, -1)
 
 
-def seqlens_offsets(
-    q_segment_ids, kv_segment_ids, q_positions, kv_positions, *, max_segments: int, mask: str = "causal"
-):
-    """Per-segment visible token counts and first indices, in O(T + S) memory per row.
+def seqlens_offsets(q_segment_ids, kv_segment_ids, *, max_segments: int):
+    """Per-segment token counts and first indices under a padding mask (a query sees every key of its segment;
+    cuDNN's ragged layout), in O(T + S) memory per row.
 
-    q_segment_ids, q_positions: [batch, Tq] int32; kv_segment_ids, kv_positions: [batch, Tk] int32, with
-    positions restarting at 0 in each document. Returns (q_seqlens, kv_seqlens, q_offsets, kv_offsets),
-    each [batch, max_segments] int32, slot s-1 for segment id s: the number of query tokens that see at
-    least one key (keys seen by at least one query), and the index along T of the first such token, -1 if
-    none. Id 0 is padding; ids above `max_segments` are a caller error and are treated as padding.
+    q_segment_ids: [batch, Tq] int32; kv_segment_ids: [batch, Tk] int32. Returns (q_seqlens, kv_seqlens,
+    q_offsets, kv_offsets), each [batch, max_segments] int32, slot s-1 for segment id s: the number of query
+    tokens whose segment has a key (keys whose segment has a query), and the index along T of the first such
+    token, -1 if none. Id 0 is padding; ids above `max_segments` are a caller error and are treated as padding.
     """
-    if mask not in MASKS:
-        raise ValueError(f"unknown mask {mask!r}; expected one of {MASKS}")
     num_segments = max_segments + 1
 
     def valid(seg):
         seg = seg.astype(jnp.int32)
         return jnp.where((seg > 0) & (seg < num_segments), seg, 0)
 
-    row = jax.vmap(lambda *a: _row_seqlens_offsets(*a, num_segments, mask))
-    q_len, q_off, kv_len, kv_off = row(
-        valid(q_segment_ids), valid(kv_segment_ids), q_positions.astype(jnp.int32), kv_positions.astype(jnp.int32)
-    )
+    row = jax.vmap(lambda q, kv: _row_seqlens_offsets(q, kv, num_segments))
+    q_len, q_off, kv_len, kv_off = row(valid(q_segment_ids), valid(kv_segment_ids))
     return q_len, kv_len, q_off, kv_off

@@ -186,11 +186,8 @@ def metadata(q_seg, kv_seg, max_segments: int) -> Metadata:
         return jnp.where((seg > 0) & (seg > base), seg - base, 0)
 
     q_slot, kv_slot = slot(q_seg), slot(kv_seg)
-    q_pos = jnp.broadcast_to(jnp.arange(tq, dtype=jnp.int32), q_seg.shape)
-    kv_pos = jnp.broadcast_to(jnp.arange(kv_seg.shape[1], dtype=jnp.int32), kv_seg.shape)
-    q_len, kv_len, q_off, kv_off = seqlens_offsets(
-        q_slot, kv_slot, q_pos, kv_pos, max_segments=max_segments, mask="padding"
-    )
+    q_pos = jnp.broadcast_to(jnp.arange(tq, dtype=jnp.int32), q_seg.shape)  # index along the row
+    q_len, kv_len, q_off, kv_off = seqlens_offsets(q_slot, kv_slot, max_segments=max_segments)
     filled = q_len > 0  # padding mask: a slot has queries iff it has keys
     rank = (jnp.cumsum(filled.reshape(-1)) - 1).reshape(filled.shape)
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from parallel.segments import MASKS, block_summary, full_blocks, seqlens_offsets, visible_blocks
+from parallel.segments import block_summary, full_blocks, seqlens_offsets, visible_blocks
 
 
 def packed_row(rng, length, max_docs, *, middle_padding=True, trailing_padding=True):
@@ -32,25 +32,16 @@ def packed_batch(rng, batch, length, max_docs, **kwargs):
     return np.stack([r[0] for r in rows]), np.stack([r[1] for r in rows])
 
 
-def visibility(q_seg, kv_seg, q_pos, kv_pos, mask):
-    """[Tq, Tk] explicit visibility of one row, straight from the mask definitions."""
-    vis = (q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] > 0)
-    if mask == "causal":
-        vis &= kv_pos[None, :] <= q_pos[:, None]
-    elif mask == "bottom_right_causal":
-        q_hi = {s: q_pos[q_seg == s].max() for s in np.unique(q_seg)}
-        kv_hi = {s: kv_pos[kv_seg == s].max() for s in np.unique(kv_seg)}
-        q_shift = q_pos - np.array([q_hi[s] for s in q_seg])
-        kv_shift = kv_pos - np.array([kv_hi[s] for s in kv_seg])
-        vis &= kv_shift[None, :] <= q_shift[:, None]
-    return vis
+def visibility(q_seg, kv_seg):
+    """[Tq, Tk] explicit padding-mask visibility of one row: same segment, not padding."""
+    return (q_seg[:, None] == kv_seg[None, :]) & (q_seg[:, None] > 0)
 
 
-def reference(q_seg, kv_seg, q_pos, kv_pos, max_segments, mask):
+def reference(q_seg, kv_seg, max_segments):
     """O(T²) numpy seqlens_offsets for [batch, T] inputs."""
     out = np.zeros((4, q_seg.shape[0], max_segments), np.int32)
     for b in range(q_seg.shape[0]):
-        vis = visibility(q_seg[b], kv_seg[b], q_pos[b], kv_pos[b], mask)
+        vis = visibility(q_seg[b], kv_seg[b])
         for kind, seg, seen in ((0, q_seg[b], vis.any(1)), (1, kv_seg[b], vis.any(0))):
             for s in range(1, max_segments + 1):
                 hits = np.flatnonzero(seen & (seg == s))
@@ -65,70 +56,53 @@ def rank_pieces(length, ranks):
     return np.stack([np.concatenate([chunks[r], chunks[2 * ranks - 1 - r]]) for r in range(ranks)])
 
 
-jit_seqlens = jax.jit(seqlens_offsets, static_argnames=("max_segments", "mask"))
+jit_seqlens = jax.jit(seqlens_offsets, static_argnames=("max_segments",))
 
 
-def check(q_seg, kv_seg, q_pos, kv_pos, max_segments, mask):
-    got = jit_seqlens(q_seg, kv_seg, q_pos, kv_pos, max_segments=max_segments, mask=mask)
-    want = reference(q_seg, kv_seg, q_pos, kv_pos, max_segments, mask)
+def check(q_seg, kv_seg, max_segments):
+    got = jit_seqlens(q_seg, kv_seg, max_segments=max_segments)
+    want = reference(q_seg, kv_seg, max_segments)
     for name, g, w in zip(("q_seqlens", "kv_seqlens", "q_offsets", "kv_offsets"), got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g), w, err_msg=name)
         assert g.dtype == np.int32 and g.shape == w.shape
 
 
-@pytest.mark.parametrize("mask", MASKS)
-def test_seqlens_offsets_same_row(mask):
-    rng = np.random.default_rng(0)
-    seg, pos = packed_batch(rng, 4, 96, 8)
-    check(seg, seg, pos, pos, 8, mask)
+def test_seqlens_offsets_same_row():
+    seg, _ = packed_batch(np.random.default_rng(0), 4, 96, 8)
+    check(seg, seg, 8)
 
 
-@pytest.mark.parametrize("mask", MASKS)
-def test_seqlens_offsets_rank_pieces(mask):
-    rng = np.random.default_rng(1)
-    seg, pos = packed_batch(rng, 3, 128, 6)
+def test_seqlens_offsets_rank_pieces():
+    seg, _ = packed_batch(np.random.default_rng(1), 3, 128, 6)
     pieces = rank_pieces(128, 4)
     for qr, kr in ((0, 3), (3, 0), (1, 2), (2, 2)):
-        q, k = pieces[qr], pieces[kr]
-        check(seg[:, q], seg[:, k], pos[:, q], pos[:, k], 6, mask)
+        check(seg[:, pieces[qr]], seg[:, pieces[kr]], 6)
 
 
-@pytest.mark.parametrize("mask", MASKS)
-def test_seqlens_offsets_different_lengths(mask):
-    rng = np.random.default_rng(2)
-    seg, pos = packed_batch(rng, 3, 120, 7)
+def test_seqlens_offsets_different_lengths():
+    seg, _ = packed_batch(np.random.default_rng(2), 3, 120, 7)
     for q, k in ((slice(10, 50), slice(0, 100)), (slice(0, 120), slice(60, 84)), (slice(90, 120), slice(5, 41))):
-        check(seg[:, q], seg[:, k], pos[:, q], pos[:, k], 7, mask)
+        check(seg[:, q], seg[:, k], 7)
 
 
-@pytest.mark.parametrize("mask", MASKS)
-def test_seqlens_offsets_all_padding(mask):
+def test_seqlens_offsets_all_padding():
     seg = np.zeros((2, 32), np.int32)
     seg[1, 3:20] = 2
-    pos = np.zeros_like(seg)
-    pos[1, 3:20] = np.arange(17)
-    q_len, kv_len, q_off, kv_off = jit_seqlens(seg, seg, pos, pos, max_segments=3, mask=mask)
+    q_len, kv_len, q_off, kv_off = jit_seqlens(seg, seg, max_segments=3)
     for a in (q_len, kv_len):
         np.testing.assert_array_equal(a, [[0, 0, 0], [0, 17, 0]])
     for a in (q_off, kv_off):
         np.testing.assert_array_equal(a, [[-1, -1, -1], [-1, 3, -1]])
-    check(seg, seg, pos, pos, 3, mask)
+    check(seg, seg, 3)
 
 
 def test_seqlens_offsets_ids_above_max_are_padding():
     seg = np.array([[1, 1, 5, 5, 2, 2]], np.int32)
-    pos = np.array([[0, 1, 0, 1, 0, 1]], np.int32)
     clean = np.where(seg > 2, 0, seg)
-    got = seqlens_offsets(seg, seg, pos, pos, max_segments=2)
-    want = seqlens_offsets(clean, clean, pos, pos, max_segments=2)
+    got = seqlens_offsets(seg, seg, max_segments=2)
+    want = seqlens_offsets(clean, clean, max_segments=2)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(g, w)
-
-
-def test_seqlens_offsets_unknown_mask():
-    seg = np.ones((1, 4), np.int32)
-    with pytest.raises(ValueError, match="bottom_right_causal"):
-        seqlens_offsets(seg, seg, seg, seg, max_segments=1, mask="sliding")
 
 
 def block_reference(q_seg, kv_seg, q_index, kv_index, block, causal, reduce=np.any):
