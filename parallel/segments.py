@@ -39,18 +39,21 @@ def block_summary(segment_ids, index, block: int) -> BlockSummary:
     )
 
 
-def visible_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool) -> jax.Array:
-    """[batch, nq, nk] bool: False only when no (query, key) pair of the block pair can be visible."""
+def visible_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool, window: int | None = None) -> jax.Array:
+    """[batch, nq, nk] bool: False only when no (query, key) pair of the block pair can be visible (with a `window`
+    W, a key j is visible to a query i only when i - W < j <= i)."""
     visible = (q.seg_min[:, :, None] <= kv.seg_max[:, None, :]) & (kv.seg_min[:, None, :] <= q.seg_max[:, :, None])
     if causal:
         visible &= (q.index_max[:, None] >= kv.index_min[None, :])[None]
+    if window is not None:
+        visible &= (kv.index_max[None, :] > q.index_min[:, None] - window)[None]
     return visible
 
 
-def full_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool) -> jax.Array:
+def full_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool, window: int | None = None) -> jax.Array:
     """[batch, nq, nk] bool: True only when every (query, key) pair of the block pair is visible (both blocks lie
-    in one and the same segment, without padding, and causally every key precedes every query), so a kernel
-    needs no mask there."""
+    in one and the same segment, without padding, causally every key precedes every query, and every key lies
+    within every query's `window`), so a kernel needs no mask there."""
 
     def single(s: BlockSummary):
         return ~s.padded & (s.seg_min == s.seg_max)
@@ -58,6 +61,8 @@ def full_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool) -> jax.Array
     full = single(q)[:, :, None] & single(kv)[:, None, :] & (q.seg_min[:, :, None] == kv.seg_min[:, None, :])
     if causal:
         full &= (kv.index_max[None, :] <= q.index_min[:, None])[None]
+    if window is not None:
+        full &= (kv.index_min[None, :] > q.index_max[:, None] - window)[None]
     return full
 
 

@@ -1,6 +1,6 @@
 """What an attention kernel is given besides q, k and v, in two named bundles (as flex-attention's BlockMask bundles
 its mask): `Tokens`, one side's segment ids and global token indices, which together say what a query may see; and
-`Options`, the static rest of a call (causality, softmax scale, block sizes)."""
+`Options`, the static rest of a call (causality, sliding window, softmax scale, block sizes)."""
 
 from __future__ import annotations
 
@@ -25,11 +25,18 @@ class Tokens(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The static part of a call (hashable: a trace-time constant). block_q / block_kv are upper bounds on the query
-    / key tokens a kernel block holds (each kernel rounds them to its own tiles). scale None is dqk ** -0.5, which
-    `kernels.attention` fills in; a kernel's forward / backward take it given."""
+    """The static part of a call (hashable: a trace-time constant). window W (causal only): a query of global index i
+    sees keys j with i - W < j <= i (W keys including itself, Hugging Face's `sliding_window`); None = no window.
+    block_q / block_kv are upper bounds on the query / key tokens a kernel block holds (each kernel rounds them to
+    its own tiles). scale None is dqk ** -0.5, which `kernels.attention` fills in; a kernel's forward / backward take
+    it given."""
 
     causal: bool = True
     scale: float | None = None
     block_q: int = 256
     block_kv: int = 256
+    window: int | None = None
+
+    def __post_init__(self):
+        if self.window is not None and (not self.causal or int(self.window) != self.window or self.window < 1):
+            raise ValueError(f"attention window {self.window!r} with causal={self.causal}: a window is an int >= 1 and needs causal=True")

@@ -12,10 +12,11 @@ import pytest
 import models
 from models.config import EXPERT_FAMILIES, ConfigError, check_model
 from models.mixture import MixtureDecoder
+from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import assert_same_step, first_step, initial_state
 from train.config import MeshConfig, ModelConfig, ParallelConfig
 
-DENSE = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64)
+DENSE = dataclasses.replace(TINY_LLAMA, num_heads=8)
 EXPERTS = dict(
     num_experts=8, experts_per_token=2, moe_mlp_dim=16, router_score="softmax", router_bias_rate=0.0, num_layers=2
 )

@@ -8,10 +8,11 @@ import pytest
 from flax import nnx
 
 import models
-from models.config import ComputeConfig, ModelConfig
+from models.config import ComputeConfig
+from tests.tiny_models import TINY_LLAMA
 from train.step import loss_sums
 
-CONFIG = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+CONFIG = dataclasses.replace(TINY_LLAMA, num_layers=2)
 COMPUTE = ComputeConfig(remat_policy="none")
 
 

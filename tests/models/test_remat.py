@@ -10,24 +10,10 @@ from jax.ad_checkpoint import print_saved_residuals
 
 from models import deepseek, llama
 from models.remat import PROJECTIONS, remat
-from train.config import ModelConfig
+from tests.tiny_models import TINY_LLAMA, TINY_MLA
 
-LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
-DEEPSEEK = ModelConfig(
-    family="deepseek",
-    vocab_size=64,
-    embed_dim=32,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=4,
-    head_dim=12,
-    mlp_dim=64,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-)
+LLAMA = TINY_LLAMA
+DEEPSEEK = TINY_MLA
 BLOCKS = {
     "llama": lambda: llama.Block(LLAMA, rngs=nnx.Rngs(0)),
     "deepseek": lambda: deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0)),

@@ -1,12 +1,15 @@
 """Mesh from config, logical-axis rules, and sharded training equal to one device."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
 from parallel.mesh import MeshError, batch_sharding, check_batch, logical_spec, make_mesh, mesh_shape
-from train.config import MeshConfig, ModelConfig, OptimizerConfig
+from tests.tiny_models import TINY_LLAMA
+from train.config import MeshConfig, OptimizerConfig
 from train.optimizer import make_optimizer
 from train.state import create_state
 from train.step import make_train_step
@@ -70,7 +73,7 @@ def test_batch_must_split_over_data_and_fsdp():
 
 
 def one_step(mesh_config, devices):
-    model = ModelConfig(vocab_size=64, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+    model = dataclasses.replace(TINY_LLAMA, num_layers=2)
     mesh = make_mesh(mesh_config, devices)
     state = create_state(model, make_optimizer(OptimizerConfig(warmup_steps=0), 10), mesh, seed=0)
     step = make_train_step(state, mesh, chunk_size=8, accum_steps=2)

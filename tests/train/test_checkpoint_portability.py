@@ -23,15 +23,16 @@ from transformers import AutoModelForCausalLM
 from models.hf import load_pretrained
 from parallel.mesh import make_mesh, state_shardings
 from tests.models.test_hf_llama import hf_llama, hf_logits, tokens
+from tests.tiny_models import TINY_LLAMA
 from tests.train.tiny_run import REPO
 from train import hf as cli
 from train.checkpoint import Checkpointer
-from train.config import MeshConfig, ModelConfig, OptimizerConfig
+from train.config import MeshConfig, OptimizerConfig
 from train.errors import CheckpointError
 from train.optimizer import make_optimizer
 from train.state import abstract_state
 
-MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+MODEL = TINY_LLAMA
 TX = make_optimizer(OptimizerConfig(), 10)
 STEP, ITEMS_READ = 7, 3
 

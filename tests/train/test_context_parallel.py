@@ -2,6 +2,7 @@
 run; every strategy's training step gives the loss and gradients of context=1 on packed rows with padding;
 the plan and host reorder follow the config; sizes that do not fit stop with an error naming key and value."""
 
+import dataclasses
 import json
 import pathlib
 import types
@@ -15,6 +16,7 @@ from parallel.mesh import MeshError
 from parallel.plan import Plan
 from parallel.planning import check_context, make_plan, to_layout
 from parallel.reorder import from_balanced
+from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import (
     LENGTH,
     assert_same_step,
@@ -24,7 +26,7 @@ from tests.train.step_reference import (
     packed_batch,
     token_losses,
 )
-from train.config import MeshConfig, ModelConfig, ParallelConfig, load_config
+from train.config import MeshConfig, ParallelConfig, load_config
 from train.environment import GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, default_environment
 from train.loop import run
 
@@ -55,7 +57,7 @@ RUN = [
     "checkpoint.enabled=false",
     "train.peak_tflops_per_device=1",  # the MFU's peak given: no CPU matmul benchmark at start
 ]
-MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64)
+MODEL = dataclasses.replace(TINY_LLAMA, num_heads=8)
 
 
 def logged(output: pathlib.Path) -> list[dict]:

@@ -2,6 +2,7 @@
 scoring gives an oracle 100%, a uniform model 0% and a model that recalls only the first needle of a row the share
 of rows whose asked needle comes first."""
 
+import dataclasses
 import functools
 
 import jax
@@ -11,8 +12,9 @@ from flax import nnx
 
 from parallel.mesh import make_mesh
 from parallel.planning import make_plan
+from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import COMPUTE, initial_state, keep_grads
-from train.config import MeshConfig, ModelConfig, ParallelConfig
+from train.config import MeshConfig, ParallelConfig
 from train.haystack import TASKS, answer_positions, build, score
 from train.needle import model_predictor
 from train.state import abstract_model, abstract_state
@@ -69,7 +71,7 @@ def test_a_model_that_recalls_only_the_first_needle_scores_the_rows_where_it_was
     assert score(first_needle_only, rows) == pytest.approx(np.mean(first_asked))
 
 
-MODEL = ModelConfig(vocab_size=264, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64)
+MODEL = dataclasses.replace(TINY_LLAMA, vocab_size=264, num_heads=8)
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 from parallel.mesh import make_mesh
+from tests.tiny_models import TINY_LLAMA
 from train.checkpoint import Checkpointer, restore_model_params
-from train.config import MeshConfig, ModelConfig, OptimizerConfig
+from train.config import MeshConfig, OptimizerConfig
 from train.optimizer import make_optimizer
 from train.state import abstract_state
 
-MODEL = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64)
+MODEL = TINY_LLAMA
 TX = make_optimizer(OptimizerConfig(), 10)
 STEP, ITEMS_READ = 7, 3
 MESHES = {

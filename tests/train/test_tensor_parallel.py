@@ -2,6 +2,7 @@
 expert) gives the loss and gradients of one device for Llama (GQA) and DeepSeek (MLA + MoE); the compiled block
 moves activations with reduce-scatters and all-gathers only, and MLA gathers q_lora + kv_lora + rope features."""
 
+import dataclasses
 import re
 
 import jax
@@ -14,10 +15,11 @@ import models.deepseek
 import models.llama
 from parallel.mesh import make_mesh, state_shardings
 from parallel.tensor import residual_spec
+from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import assert_same_step, first_step, initial_state
 from train.config import MeshConfig, ModelConfig, ParallelConfig
 
-LLAMA = ModelConfig(vocab_size=64, embed_dim=32, num_layers=1, num_heads=8, num_kv_heads=2, head_dim=8, mlp_dim=64)
+LLAMA = dataclasses.replace(TINY_LLAMA, num_heads=8)
 DEEPSEEK = ModelConfig(
     family="deepseek",
     vocab_size=64,
