@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,29 +58,40 @@ def _mismatch(got: dict, want: dict) -> str | None:
     return _verdict(found)
 
 
-def _attention_grads(kernel, blocks: dict, q, k, v, q_seg, kv_seg, q_index, kv_index):
-    """{out, lse, dq, dk, dv} of one call of `kernel` through a loss with cotangents for out and lse; numpy indices
-    are static (the kernel knows the call's kind at trace time), jax arrays traced."""
+class Call(NamedTuple):
+    """One checked attention call: q [batch, tq, heads, dqk], k / v [batch, tk, kv_heads, dqk / dv] and each side's
+    tokens (numpy indices: static, the kernel knows the call's kind at trace time; jax arrays: traced)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    q_side: kernels.Tokens
+    kv_side: kernels.Tokens
+
+
+def _attention_grads(kernel, blocks: dict, call: Call):
+    """{out, lse, dq, dk, dv} of `call` on `kernel` through a loss with cotangents for out and lse."""
+    q, k, v = call.q, call.k, call.v
     weights = jax.random.normal(jax.random.key(3), (*q.shape[:3], v.shape[-1]), jnp.float32)
-    static = isinstance(q_index, np.ndarray)
+    static = isinstance(call.q_side.index, np.ndarray)
 
     def loss(q, k, v, *traced):
-        indices = (q_index, kv_index) if static else traced
-        sides = (kernels.Tokens(q_seg, indices[0]), kernels.Tokens(kv_seg, indices[1]))
+        indices = (call.q_side.index, call.kv_side.index) if static else traced
+        sides = (call.q_side._replace(index=indices[0]), call.kv_side._replace(index=indices[1]))
         out, lse = kernels.attention(q, k, v, *sides, kernels.Options(**blocks), kernel=kernel)
         finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * weights) + jnp.sum(finite), (out, lse)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (dq, dk, dv), (out, lse) = grad(q, k, v) if static else grad(q, k, v, q_index, kv_index)
+    (dq, dk, dv), (out, lse) = grad(q, k, v) if static else grad(q, k, v, call.q_side.index, call.kv_side.index)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
-def _calls(dims: tuple[int, int, int, int], dtype) -> dict:
-    """name -> (q, k, v, q_seg, kv_seg, q_index, kv_index) of the checked calls, on the default device: packed rows
-    (four documents; padding ends the second row) of LENGTH tokens on the causal diagonal, indices static; ring steps
-    of a 4-device ring over 2 x LENGTH tokens, indices traced: dual_chunk (rank 2's queries, rank 1's keys: cuDNN's
-    halves) and striped (a general call: cuDNN runs its general kernel)."""
+def _calls(dims: tuple[int, int, int, int], dtype) -> dict[str, Call]:
+    """name -> Call of the checked calls, on the default device: packed rows (four documents; padding ends the
+    second row) of LENGTH tokens on the causal diagonal, indices static; ring steps of a 4-device ring over
+    2 x LENGTH tokens, indices traced: dual_chunk (rank 2's queries, rank 1's keys: cuDNN's halves) and striped (a
+    general call: cuDNN runs its general kernel)."""
     heads, kv_heads, dqk, dv = dims
     rng = np.random.default_rng(0)
     seg = np.repeat(np.arange(1, 5, dtype=np.int32), LENGTH // 2)[None].repeat(2, axis=0)  # [2, 2 x LENGTH]
@@ -95,9 +107,10 @@ def _calls(dims: tuple[int, int, int, int], dtype) -> dict:
             jnp.asarray(rng.normal(size=(2, len(q_index), h, d)), dtype)
             for h, d in ((heads, dqk), (kv_heads, dqk), (kv_heads, dv))
         )
-        segments = (jnp.asarray(seg[:, q_index]), jnp.asarray(seg[:, kv_index]))
-        indices = (q_index, kv_index) if name == "diagonal" else (jnp.asarray(q_index), jnp.asarray(kv_index))
-        calls[name] = (q, k, v, *segments, *indices)
+        if name != "diagonal":
+            q_index, kv_index = jnp.asarray(q_index), jnp.asarray(kv_index)
+        sides = (kernels.Tokens(jnp.asarray(seg[:, np.asarray(i)]), i) for i in (q_index, kv_index))
+        calls[name] = Call(q, k, v, *sides)
     return calls
 
 
@@ -107,9 +120,9 @@ def kernel_error(kernel: kernels.Kernel, device, dims: tuple[int, int, int, int]
     the error raised."""
     try:
         with jax.default_device(device):
-            for name, args in _calls(dims, dtype).items():
-                got = _attention_grads(kernel, blocks, *args)
-                problem = _mismatch(got, _attention_grads(kernels.BLOCKWISE, blocks, *args))
+            for name, call in _calls(dims, dtype).items():
+                got = _attention_grads(kernel, blocks, call)
+                problem = _mismatch(got, _attention_grads(kernels.BLOCKWISE, blocks, call))
                 if problem:
                     return f"{name}: {problem}"
     except Exception as error:  # noqa: BLE001  (any failure of an untried kernel sends the run to the reference)
