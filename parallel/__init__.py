@@ -21,17 +21,25 @@ __all__ = ["attention", "gather", "project_scatter", "residual", "routed_experts
 
 
 def attention(
-    q, k, v, *, segment_ids=None, causal=True, scale=None, mesh=None, strategy=None, axis=None, layout=None, stripe=None
-):
+    q, k, v, *, segment_ids=None, causal=True, scale=None, window=None, sinks=None, mesh=None, strategy=None, axis=None,
+    layout=None, stripe=None,
+):  # fmt: skip
     """Attention over the (possibly sharded and reordered) sequence.
 
     q: [batch, length, heads, dqk], k: [batch, length, kv_heads, dqk], v: [batch, length, kv_heads, dv] global
     arrays with length sharded over mesh `axis` and ordered by `layout` (contiguous, dual_chunk or striped with
     `stripe`, for the size of `axis`) -> [batch, length, heads, dv] in the same order. `segment_ids`
     [batch, length] (0 = padding) keeps attention within a document; causality refers to the original order.
+    `window` W (causal only): a query at original index i sees keys j with i - W < j <= i (Hugging Face's
+    `sliding_window`); None = no window. `sinks` [heads] float32 (GPT-OSS): a learned logit per head joining every
+    query's softmax as one more key of value zero, differentiable; None = none.
     Arguments left None come from the plan installed by `parallel.plan.use_plan` (default: strategy "none",
     axis "context", contiguous layout); mesh None = the mesh set by `jax.set_mesh`.
     """
+    if sinks is not None and sinks.shape != (q.shape[2],):
+        raise ValueError(
+            f"attention sinks of shape {sinks.shape} must be [heads] = ({q.shape[2]},), one per query head"
+        )
     given = dict(strategy=strategy, axis=axis, layout=layout, stripe=stripe, mesh=mesh)
     plan = dataclasses.replace(current_plan(), **{key: value for key, value in given.items() if value is not None})
     if plan.strategy not in STRATEGIES:
@@ -51,6 +59,8 @@ def attention(
         segment_ids=segment_ids,
         causal=causal,
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
+        window=window,
+        sinks=None if sinks is None else sinks.astype(jax.numpy.float32),
         plan=plan,
         mesh=mesh,
     )

@@ -39,4 +39,6 @@ class Options:
 
     def __post_init__(self):
         if self.window is not None and (not self.causal or int(self.window) != self.window or self.window < 1):
-            raise ValueError(f"attention window {self.window!r} with causal={self.causal}: a window is an int >= 1 and needs causal=True")
+            raise ValueError(
+                f"attention window {self.window!r} (causal={self.causal}): give an int >= 1 with causal=True"
+            )

@@ -1,9 +1,9 @@
 """Blockwise (flash-style) attention in plain JAX, forward and backward: online softmax over key blocks,
-recomputation in the backward pass, and block pairs that share no segment or lie above the causal diagonal skipped
-entirely. The CPU kernel and the reference for the others, whose forward / backward take its arguments;
-`parallel.kernels.attention` makes it differentiable.
+recomputation in the backward pass, and block pairs that share no segment, lie above the causal diagonal or wholly
+outside a sliding window skipped entirely. The CPU kernel and the reference for the others, whose forward / backward
+take its arguments; `parallel.kernels.attention` makes it differentiable.
 
-Causality compares GLOBAL token indices (each side's `Tokens.index`), so the pieces a device holds may be
+Causality and the window compare GLOBAL token indices (each side's `Tokens.index`), so the pieces a device holds may be
 non-contiguous (load-balanced layouts) and come from different devices (ring steps).
 """
 
@@ -29,8 +29,11 @@ def _pad(x, axis: int, multiple: int, value=0):
 
 
 def _pad_queries(tokens: Tokens, multiple: int) -> Tokens:
-    """Query segment ids [batch, tq] and indices [tq] padded up to a multiple of `multiple` with zeros."""
-    return Tokens(_pad(tokens.segment_ids, 1, multiple), _pad(tokens.index, 0, multiple))
+    """Query segment ids [batch, tq] padded up to a multiple of `multiple` with 0 and indices [tq] with their
+    largest: padded queries (segment 0, seeing nothing) then leave the last block's index range as its real
+    queries', so its causal and window ranges skip what they would."""
+    index = tokens.index
+    return Tokens(_pad(tokens.segment_ids, 1, multiple), _pad(index, 0, multiple, jnp.max(index)))
 
 
 def _pad_keys(tokens: Tokens, multiple: int) -> Tokens:
@@ -95,23 +98,26 @@ def _add_at(x, blk, at):
     return lax.dynamic_update_slice(x, (old + blk).astype(x.dtype), at)
 
 
-def _pair_kinds(q: Tokens, kv: Tokens, bq: int, bk: int, causal: bool):
+def _pair_kinds(q: Tokens, kv: Tokens, bq: int, bk: int, options: Options):
     """[batch, nq, nk] int32 kind of each block pair of sides q and kv (padded to whole blocks of bq / bk): SKIP (no
     visible pair), MASKED (some), FULL (all visible, so no mask is built)."""
     q_summary = block_summary(q.segment_ids, q.index, bq)
     kv_summary = block_summary(kv.segment_ids, kv.index, bk)
-    visible = visible_blocks(q_summary, kv_summary, causal=causal)
-    return visible.astype(jnp.int32) + full_blocks(q_summary, kv_summary, causal=causal).astype(jnp.int32)
+    mask = dict(causal=options.causal, window=options.window)
+    visible = visible_blocks(q_summary, kv_summary, **mask)
+    return visible.astype(jnp.int32) + full_blocks(q_summary, kv_summary, **mask).astype(jnp.int32)
 
 
 SKIP, MASKED, FULL = 0, 1, 2
 
 
-def _pair_mask(q: Tokens, kv: Tokens, group: int, causal: bool):
+def _pair_mask(q: Tokens, kv: Tokens, group: int, options: Options):
     """The tokens of one block pair ([bq] / [bk] ids and indices) -> [1, bq * group, bk] visibility."""
     mask = (q.segment_ids[:, None] == kv.segment_ids[None, :]) & (q.segment_ids[:, None] > 0)
-    if causal:
+    if options.causal:
         mask &= kv.index[None, :] <= q.index[:, None]
+    if options.window is not None:
+        mask &= kv.index[None, :] > q.index[:, None] - options.window
     return jnp.broadcast_to(mask[:, None, :], (mask.shape[0], group, mask.shape[1])).reshape(1, -1, mask.shape[1])
 
 
@@ -128,12 +134,12 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
     batch, tq, heads = q.shape[:3]
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
-    causal, scale = options.causal, options.scale
+    scale = options.scale
     bq, nq = _padded_blocks(tq, options.block_q)
     bk, _ = _padded_blocks(tk, options.block_kv)
     q, q_tokens = _pad(q, 1, bq), _pad_queries(q_tokens, bq)
     k, v, kv_tokens = _pad(k, 1, bk), _pad(v, 1, bk), _pad_keys(kv_tokens, bk)
-    kinds = _pair_kinds(q_tokens, kv_tokens, bq, bk, causal)
+    kinds = _pair_kinds(q_tokens, kv_tokens, bq, bk, options)
     first, last = _block_ranges(kinds > SKIP)
 
     def q_block(flat):
@@ -146,7 +152,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
             k_blk, v_blk = _key_block(k, b, j, bk), _key_block(v, b, j, bk)
             s = _scores(q_blk, k_blk, scale)
             if masked:
-                mask = _pair_mask(q_side, _side_block(kv_tokens, b, j, bk), group, causal)
+                mask = _pair_mask(q_side, _side_block(kv_tokens, b, j, bk), group, options)
                 s = jnp.where(mask, s, -jnp.inf)
             new_max = jnp.maximum(row_max, s.max(-1))
             safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -195,13 +201,13 @@ def backward(
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [batch, tq, heads]
     if dlse is not None:
         delta = delta - dlse
-    causal, scale = options.causal, options.scale
+    scale = options.scale
     bq, _ = _padded_blocks(tq, options.block_q)
     bk, nk = _padded_blocks(tk, options.block_kv)
     q, dout, q_tokens = _pad(q, 1, bq), _pad(dout, 1, bq), _pad_queries(q_tokens, bq)
     lse, delta = _pad(lse, 1, bq, -jnp.inf), _pad(delta, 1, bq)
     k, v, kv_tokens = _pad(k, 1, bk), _pad(v, 1, bk), _pad_keys(kv_tokens, bk)
-    kinds_t = jnp.swapaxes(_pair_kinds(q_tokens, kv_tokens, bq, bk, causal), 1, 2)  # [batch, nk, nq]
+    kinds_t = jnp.swapaxes(_pair_kinds(q_tokens, kv_tokens, bq, bk, options), 1, 2)  # [batch, nk, nq]
     first, last = _block_ranges(kinds_t > SKIP)
     lse, delta = lse[..., None], delta[..., None]
 
@@ -218,7 +224,7 @@ def backward(
             s = _scores(q_blk, k_blk, scale)
             p = jnp.exp(s - jnp.where(jnp.isfinite(lse_blk), lse_blk, 0.0))
             if masked:
-                p = jnp.where(_pair_mask(_side_block(q_tokens, b, i, bq), kv_side, group, causal), p, 0.0)
+                p = jnp.where(_pair_mask(_side_block(q_tokens, b, i, bq), kv_side, group, options), p, 0.0)
             dp = jnp.einsum("hqd,hkd->hqk", do_blk, v_blk, preferred_element_type=jnp.float32)
             ds = (p * (dp - delta_blk)).astype(q.dtype)
             dq_blk = jnp.einsum("hqk,hkd->hqd", ds, k_blk, preferred_element_type=jnp.float32) * scale

@@ -31,6 +31,9 @@ whose VJP drops the softmax statistics' cotangent. What the primitives give and 
   (parallel.kernels.blockwise.backward). So two extra value features carry it exactly: dout = 1 and out = -hi, -lo with
   hi + lo = dlse (hi in the input dtype, lo the remainder), V = 0 there, so dp is unchanged, delta gains -dlse,
   and the matching dV columns are dropped.
+- Sliding windows: the primitive's window counts positions within a segment of the packed layout, which is the
+  global window only on the diagonal of an unsplit document; a ring step or a load-balanced chunk is neither, so
+  every windowed call runs the general kernel.
 
 `Primitives` holds the two primitive binds; tests pass a dense stand-in with the same signature.
 """
@@ -362,8 +365,11 @@ def forward(
     """parallel.kernels.blockwise.forward's arguments and results: (out [b, tq, h, dv] in `out_dtype` (default q's),
     lse [b, tq, h] float32). Raises Unservable for static indices cuDNN cannot mask (see call_kind); traced ones that
     turn out general, and rows with more than max_segments segments, run `general` (a forward of the same
-    signature: the blockwise kernel, or Pallas on GPU). The served kinds and the switch between them see the
-    segment ids only; the indices stay as given (static or traced)."""
+    signature: the blockwise kernel, or Pallas on GPU), as does every call with a sliding window (see the module
+    docstring). The served kinds and the switch between them see the segment ids only; the indices stay as given
+    (static or traced)."""
+    if options.window is not None:
+        return general(q, k, v, q_tokens, kv_tokens, options=options, out_dtype=out_dtype or q.dtype)
     max_segments = max(2, max_segments)
     kind = call_kind(q_tokens.index, kv_tokens.index, options.causal)
     _check(q, v.shape[-1], primitives)
@@ -402,7 +408,11 @@ def backward(
 ):  # fmt: skip
     """parallel.kernels.blockwise.backward's arguments and results: (dq, dk, dv) given the final out / lse and their
     cotangents (dlse may be None), in `grad_dtype` (default: q, k, v's dtypes), or added into `accumulate` sums in
-    their dtypes. Raises Unservable as `forward` does; `general` as in `forward` (a backward)."""
+    their dtypes. Raises Unservable as `forward` does; `general` as in `forward` (a backward), which takes every
+    call with a sliding window."""
+    if options.window is not None:
+        args = (q, k, v, q_tokens, kv_tokens, out, lse, dout, dlse)
+        return general(*args, options=options, grad_dtype=grad_dtype, accumulate=accumulate)
     max_segments = max(2, max_segments)
     kind = call_kind(q_tokens.index, kv_tokens.index, options.causal)
     _check(q, v.shape[-1], primitives)

@@ -1,7 +1,8 @@
 """Flash attention as Pallas kernels (Triton on GPU, interpret mode on CPU) with the blockwise kernel's semantics:
-separate query and key segment ids, causality by global token index, block pairs that share no segment or lie
-above the diagonal skipped (by the same block summaries, taken inside the kernel), GQA without repeating key /
-value heads, query-key and value head dims that differ, lse out and its cotangent in.
+separate query and key segment ids, causality and sliding windows by global token index, block pairs that share no
+segment or lie above the diagonal or outside the window skipped (by the same block summaries, taken inside the
+kernel), GQA without repeating key / value heads, query-key and value head dims that differ, lse out and its
+cotangent in.
 
 Three kernels: the forward (grid batch x heads x query blocks, a loop over key blocks), dk / dv (grid batch x
 key-value heads x key blocks, one loop over the query blocks x the group's query heads) and dq (as the forward).
@@ -87,18 +88,26 @@ def _summary(tokens: Tokens):
     return jnp.min(jnp.where(seg > 0, seg, INT32_MAX)), jnp.max(seg), jnp.min(index), jnp.max(index)
 
 
-def _visible(q_summary, kv_summary, causal: bool):
+def _visible(q_summary, kv_summary, causal: bool, window: int | None):
     """Whether any (query, key) pair of two blocks can be visible (parallel.segments.visible_blocks, one pair)."""
-    q_lo, q_hi, _, q_index_hi = q_summary
-    kv_lo, kv_hi, kv_index_lo, _ = kv_summary
+    q_lo, q_hi, q_index_lo, q_index_hi = q_summary
+    kv_lo, kv_hi, kv_index_lo, kv_index_hi = kv_summary
     visible = (q_lo <= kv_hi) & (kv_lo <= q_hi)
-    return visible & (kv_index_lo <= q_index_hi) if causal else visible
+    if causal:
+        visible &= kv_index_lo <= q_index_hi
+    if window is not None:
+        visible &= kv_index_hi > q_index_lo - window
+    return visible
 
 
-def _mask(q: Tokens, kv: Tokens, causal: bool):
+def _mask(q: Tokens, kv: Tokens, causal: bool, window: int | None):
     """The tokens of a query and a key block ([bq] / [bk] ids and global indices) -> [bq, bk] visibility."""
     mask = (q.segment_ids[:, None] == kv.segment_ids[None, :]) & (q.segment_ids[:, None] > 0)
-    return mask & (kv.index[None, :] <= q.index[:, None]) if causal else mask
+    if causal:
+        mask &= kv.index[None, :] <= q.index[:, None]
+    if window is not None:
+        mask &= kv.index[None, :] > q.index[:, None] - window
+    return mask
 
 
 def _dot(a, b, *, transpose_b: bool = False):
@@ -108,14 +117,15 @@ def _dot(a, b, *, transpose_b: bool = False):
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_ref, lse_ref, **static):
-    causal, scale, bk, nk = static["causal"], static["scale"], static["block_kv"], static["kv_blocks"]
+    causal, sliding, scale = static["causal"], static["window"], static["scale"]
+    bk, nk = static["block_kv"], static["kv_blocks"]
     q, q_side = q_ref[...], _load(q_refs)
     q_summary = _summary(q_side)
 
     def update(window, kv_side, carry):
         row_max, row_sum, acc = carry
         s = _dot(q, k_ref[window, :], transpose_b=True) * scale
-        s = jnp.where(_mask(q_side, kv_side, causal), s, -jnp.inf)
+        s = jnp.where(_mask(q_side, kv_side, causal, sliding), s, -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         p = jnp.exp(s - safe_max[:, None])
@@ -126,7 +136,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_re
     def step(j, carry):
         window = pl.ds(j * bk, bk)
         kv_side = _load(kv_refs, window)
-        visible = _visible(q_summary, _summary(kv_side), causal)
+        visible = _visible(q_summary, _summary(kv_side), causal, sliding)
         return lax.cond(visible, functools.partial(update, window, kv_side), lambda c: c, carry)
 
     bq = q.shape[0]
@@ -151,7 +161,7 @@ def _pad_operands(q, k, v, q_multiple: int, kv_multiple: int):
 
 def _pad_side(tokens: Tokens, length: int, index_value=0) -> Tokens:
     """Segment ids [batch, t] and indices [t] padded to `length`: ids 0 (padding), indices `index_value` (INT32_MAX
-    for keys: padded keys skip causally)."""
+    for keys: padded keys skip causally; the largest index for queries: the window's skipping stays as it was)."""
     return Tokens(_pad_to(tokens.segment_ids, 1, length), _pad_to(tokens.index, 0, length, index_value))
 
 
@@ -164,8 +174,10 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, i
     bq, bk, params = _config("forward", q, k, v, options)
     q, k, v = _pad_operands(q, k, v, bq, bk)
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad), _pad_side(kv_tokens, tk_pad, INT32_MAX)
-    static = dict(causal=options.causal, scale=options.scale, block_kv=bk, kv_blocks=tk_pad // bk)
+    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad, jnp.max(q_tokens.index)), _pad_side(kv_tokens, tk_pad, INT32_MAX)
+    static = dict(
+        causal=options.causal, window=options.window, scale=options.scale, block_kv=bk, kv_blocks=tk_pad // bk
+    )
     out, lse = pl.pallas_call(
         functools.partial(_forward_kernel, **static),
         grid=(batch, heads, tq_pad // bq),
@@ -194,7 +206,8 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, i
 def _dkdv_kernel(
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, kv_refs: Tokens, dk_ref, dv_ref, **static
 ):
-    causal, scale, bq, nq, group = (static[key] for key in ("causal", "scale", "block_q", "q_blocks", "group"))
+    causal, sliding, scale = static["causal"], static["window"], static["scale"]
+    bq, nq, group = static["block_q"], static["q_blocks"], static["group"]
     k, v, kv_side = k_ref[...], v_ref[...], _load(kv_refs)
     kv_summary = _summary(kv_side)
 
@@ -204,7 +217,7 @@ def _dkdv_kernel(
         lse, delta = lse_ref[head, window], delta_ref[head, window]
         s = _dot(q, k, transpose_b=True) * scale
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        p = jnp.where(_mask(q_side, kv_side, causal), jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(_mask(q_side, kv_side, causal, sliding), jnp.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, v, transpose_b=True)
         ds = (p * (dp - delta[:, None])).astype(q.dtype)
         dv = dv + _dot(p.astype(do.dtype).T, do)
@@ -214,7 +227,7 @@ def _dkdv_kernel(
     def step(n, carry):  # query block n / group, query head n % group of those that share this key-value head
         window = pl.ds(lax.div(n, group) * bq, bq)
         q_side = _load(q_refs, window)
-        visible = _visible(_summary(q_side), kv_summary, causal)
+        visible = _visible(_summary(q_side), kv_summary, causal, sliding)
         return lax.cond(visible, functools.partial(update, window, q_side, lax.rem(n, group)), lambda c: c, carry)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -223,7 +236,8 @@ def _dkdv_kernel(
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, kv_refs: Tokens, dq_ref, **static):
-    causal, scale, bk, nk = static["causal"], static["scale"], static["block_kv"], static["kv_blocks"]
+    causal, sliding, scale = static["causal"], static["window"], static["scale"]
+    bk, nk = static["block_kv"], static["kv_blocks"]
     q, do, q_side = q_ref[...], do_ref[...], _load(q_refs)
     lse, delta = lse_ref[...], delta_ref[...]
     lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
@@ -232,14 +246,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, 
     def update(window, kv_side, dq):
         k, v = k_ref[window, :], v_ref[window, :]
         s = _dot(q, k, transpose_b=True) * scale
-        p = jnp.where(_mask(q_side, kv_side, causal), jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(_mask(q_side, kv_side, causal, sliding), jnp.exp(s - lse[:, None]), 0.0)
         ds = (p * (_dot(do, v, transpose_b=True) - delta[:, None])).astype(k.dtype)
         return dq + _dot(ds, k) * scale
 
     def step(j, dq):
         window = pl.ds(j * bk, bk)
         kv_side = _load(kv_refs, window)
-        visible = _visible(q_summary, _summary(kv_side), causal)
+        visible = _visible(q_summary, _summary(kv_side), causal, sliding)
         return lax.cond(visible, functools.partial(update, window, kv_side), lambda c: c, dq)
 
     dq = lax.fori_loop(0, nk, step, jnp.zeros(q.shape, jnp.float32))
@@ -269,14 +283,16 @@ def backward(
     bq_dq, bk_dq, dq_params = _config("dq", q, k, v, options)
     q, k, v = _pad_operands(q, k, v, max(bq, bq_dq), max(bk, bk_dq))
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad), _pad_side(kv_tokens, tk_pad, INT32_MAX)
-    causal, scale = options.causal, options.scale
+    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad, jnp.max(q_tokens.index)), _pad_side(kv_tokens, tk_pad, INT32_MAX)
+    causal, window, scale = options.causal, options.window, options.scale
     dout = _pad_to(_pad_to(dout, 1, tq_pad), 3, dv_pad)
     lse = jnp.swapaxes(_pad_to(lse, 1, tq_pad, -jnp.inf), 1, 2)  # [batch, heads, tq]
     delta = jnp.swapaxes(_pad_to(delta, 1, tq_pad), 1, 2)
     operands = (q, k, v, dout, lse, delta, q_tokens, kv_tokens)
     dk, dv_ = pl.pallas_call(
-        functools.partial(_dkdv_kernel, causal=causal, scale=scale, block_q=bq, q_blocks=tq_pad // bq, group=group),
+        functools.partial(
+            _dkdv_kernel, causal=causal, window=window, scale=scale, block_q=bq, q_blocks=tq_pad // bq, group=group
+        ),
         grid=(batch, kv_heads, tk_pad // bk),
         in_specs=[
             pl.BlockSpec((None, tq_pad, group, dqk_pad), lambda b, g, j: (b, 0, g, 0)),
@@ -301,7 +317,9 @@ def backward(
         name="attention_dkdv",
     )(*operands)
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, causal=causal, scale=scale, block_kv=bk_dq, kv_blocks=tk_pad // bk_dq),
+        functools.partial(
+            _dq_kernel, causal=causal, window=window, scale=scale, block_kv=bk_dq, kv_blocks=tk_pad // bk_dq
+        ),
         grid=(batch, heads, tq_pad // bq_dq),
         in_specs=[
             pl.BlockSpec((None, bq_dq, None, dqk_pad), lambda b, h, i: (b, i, h, 0)),

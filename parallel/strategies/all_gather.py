@@ -6,8 +6,8 @@ into one collective would copy the whole gathered sequence twice more (stack, th
 Under cuDNN (whose masks know segments and top-left causality, not global indices) the gathered K/V are put in
 original order and each query chunk of the local piece (one, or two in dual_chunk) makes two calls merged by
 log-sum-exp: its own keys (the causal diagonal) and every key before the chunk, later keys masked as padding
-(all-visible). Other layouts (striped: many chunks per piece) run cuDNN's general kernel (Pallas on GPU), which it
-would fall back to for every call anyway.
+(all-visible). Other layouts (striped: many chunks per piece) and windowed calls run cuDNN's general kernel (Pallas on
+GPU), which it would fall back to for every call anyway.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from jax import lax
 
 from parallel import kernels
 from parallel.kernels import Options, Tokens
+from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
 from parallel.reorder import from_balanced
 from parallel.strategies.common import (
@@ -33,50 +34,54 @@ from parallel.strategies.common import (
 )
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
-    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
+    heads, dv]. With a window every K/V is still gathered (gathering only the window's reach is not done yet)."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     index = global_index(q.shape[1], plan, shards)
     cudnn, chunked = wants_original_order(plan), plan.layout in ("contiguous", "dual_chunk") or shards == 1
-    if cudnn and not chunked:  # striped: no call cuDNN serves, so compile none
+    if cudnn and (not chunked or window is not None):  # striped, or a window: no call cuDNN serves, so compile none
         plan = dataclasses.replace(plan, kernel=kernels.general_kernel("cudnn", plan.platform))
-    by_chunks = cudnn and chunked
-    options = kernel_options(plan, causal=causal, scale=scale)
+    by_chunks = cudnn and chunked and window is None
+    options = kernel_options(plan, causal=causal, scale=scale, window=window)
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, sinks):
         k_all, v_all, seg_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))
         q_tokens = Tokens(seg, local_piece(index, shards, lax.axis_index(axis)))
         if by_chunks:
             layout = dict(layout=plan.layout if shards > 1 else "contiguous", axis=1)
             k_all, v_all, seg_all = (from_balanced(x, shards, **layout) for x in (k_all, v_all, seg_all))
             chunks = 2 if layout["layout"] == "dual_chunk" else 1
-            return chunk_calls(q, k, v, q_tokens, k_all, v_all, seg_all, chunks=chunks, options=options, plan=plan)
-        kv_tokens = Tokens(seg_all, jnp.asarray(index))
-        return kernel(q, k_all, v_all, q_tokens, kv_tokens, options=options, plan=plan)[0]
+            out, lse = chunk_calls(q, k, v, q_tokens, k_all, v_all, seg_all, chunks=chunks, options=options, plan=plan)
+        else:
+            kv_tokens = Tokens(seg_all, jnp.asarray(index))
+            out, lse = kernel(q, k_all, v_all, q_tokens, kv_tokens, options=options, plan=plan)
+        return attention_sinks.apply(out, lse, sinks)
 
-    return run_sharded(local, mesh, axis, q, k, v, segment_ids)
+    return run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks)
 
 
 def chunk_calls(q, k, v, q_tokens: Tokens, k_all, v_all, seg_all, *, chunks: int, options: Options, plan):
     """The local piece's attention as calls cuDNN serves. q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d],
     q_tokens (segment ids [batch, n], traced global index [n]): this device's piece, `chunks` runs of consecutive
     tokens; k_all/v_all [batch, length, ...], seg_all [batch, length]: the whole sequence in original order.
-    -> out [batch, n, heads, dv]."""
+    -> (out [batch, n, heads, dv], lse [batch, n, heads])."""
     everything = np.arange(k_all.shape[1], dtype=np.int32)
     if not options.causal:
         piece = np.arange(q.shape[1], dtype=np.int32)  # increasing, as the piece's index is: only the order matters
         sides = (q_tokens._replace(index=piece), Tokens(seg_all, everything))
-        return kernel(q, k_all, v_all, *sides, options=options, plan=plan)[0]
+        return kernel(q, k_all, v_all, *sides, options=options, plan=plan)
     size = q.shape[1] // chunks
     own = np.arange(size, dtype=np.int32)
     prior_options = dataclasses.replace(options, causal=False)
-    outs = []
+    outs, lses = [], []
     for c in range(chunks):
         part = slice(c * size, (c + 1) * size)
         q_c, chunk = q[:, part], Tokens(q_tokens.segment_ids[:, part], own)
         out, lse = kernel(q_c, k[:, part], v[:, part], chunk, chunk, options=options, plan=plan)
         before = jnp.where(everything < q_tokens.index[c * size], seg_all, 0)  # keys after the chunk's first as padding
         prior = kernel(q_c, k_all, v_all, chunk, Tokens(before, everything), options=prior_options, plan=plan)
-        out, _ = merge(out.astype(jnp.float32), lse, prior[0].astype(jnp.float32), prior[1])
+        out, lse = merge(out.astype(jnp.float32), lse, prior[0].astype(jnp.float32), prior[1])
         outs.append(out.astype(q.dtype))
-    return jnp.concatenate(outs, axis=1)
+        lses.append(lse)
+    return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)

@@ -52,9 +52,9 @@ def local_piece(index: np.ndarray, shards: int, rank):
     return lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
 
 
-def kernel_options(plan, *, causal: bool, scale: float) -> Options:
-    """The kernel options of a strategy's calls: `causal`, `scale` and the plan's block sizes."""
-    return Options(causal=causal, scale=scale, block_q=plan.block_q, block_kv=plan.block_kv)
+def kernel_options(plan, *, causal: bool, scale: float, window: int | None) -> Options:
+    """The kernel options of a strategy's calls: `causal`, `scale`, `window` and the plan's block sizes."""
+    return Options(causal=causal, scale=scale, block_q=plan.block_q, block_kv=plan.block_kv, window=window)
 
 
 def kernel(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, plan):
@@ -76,25 +76,30 @@ def wants_original_order(plan) -> bool:
 
 def whole_sequence(q, k, v, seg, *, shards: int, options: Options, plan):
     """The plan's kernel over a whole sequence held in `plan.layout` for `shards` ranks: q [batch, length, heads,
-    dqk], k/v [batch, length, kv_heads, d], seg [batch, length] (None = one document) -> out [batch, length, heads,
-    dv] in that layout. Under cuDNN the call runs in original order (static layout ops there and back), so it is
-    the causal diagonal (or all-visible, non-causal) that cuDNN serves."""
-    if wants_original_order(plan):
+    dqk], k/v [batch, length, kv_heads, d], seg [batch, length] (None = one document) -> (out [batch, length, heads,
+    dv], lse [batch, length, heads]) in that layout. Under cuDNN without a window (which it leaves to its general
+    kernel) the call runs in original order (static layout ops there and back), so it is the causal diagonal (or
+    all-visible, non-causal) that cuDNN serves."""
+    if wants_original_order(plan) and options.window is None:
         order = dict(layout=plan.layout if shards > 1 else "contiguous", stripe=plan.stripe, axis=1)
         seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
         q, k, v, seg = (from_balanced(x, shards, **order) for x in (q, k, v, seg))
         tokens = Tokens(seg, np.arange(q.shape[1], dtype=np.int32))
-        out = kernel(q, k, v, tokens, tokens, options=options, plan=plan)[0]
-        return to_balanced(out, shards, **order)
+        out, lse = kernel(q, k, v, tokens, tokens, options=options, plan=plan)
+        return to_balanced(out, shards, **order), to_balanced(lse, shards, **order)
     tokens = Tokens(seg, jnp.asarray(global_index(q.shape[1], plan, shards)))
-    return kernel(q, k, v, tokens, tokens, options=options, plan=plan)[0]
+    return kernel(q, k, v, tokens, tokens, options=options, plan=plan)
 
 
-def run_sharded(local, mesh, axis, q, k, v, segment_ids):
-    """Runs `local(q, k, v, seg)` on each device's pieces (length sharded over `axis`, batch and heads as the
-    logical rules say) and returns the global output [batch, length, heads, dv]. None segment ids = one document."""
+def run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks=None):
+    """Runs `local(q, k, v, seg, sinks)` on each device's pieces (length sharded over `axis`, batch and heads as the
+    logical rules say; sinks [heads] by heads, or None) and returns the global output [batch, length, heads, dv].
+    None segment ids = one document."""
     q_spec, kv_spec, seg_spec = specs(mesh, axis)
     seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    return jax.shard_map(
-        local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec, check_vma=False
-    )(q, k, v, seg)
+    operands, in_specs = (q, k, v, seg), (q_spec, kv_spec, kv_spec, seg_spec)
+    if sinks is None:
+        body = lambda q, k, v, seg: local(q, k, v, seg, None)
+    else:
+        body, operands, in_specs = local, (*operands, sinks), (*in_specs, PartitionSpec(q_spec[2]))
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*operands)

@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+from parallel.kernels import sinks as attention_sinks
 from parallel.strategies.common import axis_shards, kernel_options, run_sharded, whole_sequence
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
-    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
+    heads, dv]."""
     shards = 1 if plan.layout == "contiguous" else axis_shards(mesh, plan.axis)
-    options = kernel_options(plan, causal=causal, scale=scale)
+    options = kernel_options(plan, causal=causal, scale=scale, window=window)
 
-    def local(q, k, v, segment_ids):
-        return whole_sequence(q, k, v, segment_ids, shards=shards, options=options, plan=plan)
+    def local(q, k, v, segment_ids, sinks):
+        out, lse = whole_sequence(q, k, v, segment_ids, shards=shards, options=options, plan=plan)
+        return attention_sinks.apply(out, lse, sinks)
 
     if mesh is None or mesh.empty:
-        return local(q, k, v, segment_ids)
-    return run_sharded(local, mesh, (), q, k, v, segment_ids)  # whole sequence per device, batch / heads sharded
+        return local(q, k, v, segment_ids, sinks)
+    return run_sharded(local, mesh, (), q, k, v, segment_ids, sinks)  # whole sequence per device, batch / heads sharded

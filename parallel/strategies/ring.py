@@ -23,6 +23,7 @@ import numpy as np
 from jax import lax
 
 from parallel.kernels import Options, Tokens
+from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
 from parallel.strategies.common import axis_shards, global_index, kernel_options, plan_kernel, run_sharded
 
@@ -38,10 +39,11 @@ class Residuals(NamedTuple):
     lse: jax.Array  # [batch, n, heads] float32 merged log-sum-exp
 
 
-def ring_local(q, k, v, seg, *, axis: str, shards: int, index, options: Options, plan):
+def ring_local(q, k, v, seg, sinks=None, *, axis: str, shards: int, index, options: Options, plan):
     """Inside a shard_map over `axis` (shards devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
-    seg [batch, n] are this device's piece; index: numpy [shards * n] global token index of every piece in order.
-    Returns out [batch, n, heads, dv]."""
+    seg [batch, n] are this device's piece, sinks [heads] or None; index: numpy [shards * n] global token index of
+    every piece in order. Returns out [batch, n, heads, dv], the sinks applied once to the merged pieces (the
+    merged lse's cotangent then joins each step's backward)."""
     n = q.shape[1]
     table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
     impl = plan_kernel(plan)
@@ -65,16 +67,16 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, options: Options,
         """(out float32, lse) of local queries against the KV block of `source` (None: our own)."""
         return impl.forward(q, *kv, *sides(seg, seg_all, rank, source), options=options, out_dtype=jnp.float32)
 
-    def step_backward(res: Residuals, kv, dout, rank, source, grads):
+    def step_backward(res: Residuals, kv, dout, dlse, rank, source, grads):
         """grads = (dq float32, dk, dv) with the terms of local queries against the KV block `kv` of `source` (None:
         our own) added."""
         q_tokens, kv_tokens = sides(res.seg, res.seg_all, rank, source)
         return impl.backward(
-            res.q, *kv, q_tokens, kv_tokens, res.out, res.lse, dout, None, options=options, accumulate=grads
+            res.q, *kv, q_tokens, kv_tokens, res.out, res.lse, dout, dlse, options=options, accumulate=grads
         )
 
     def run_forward(q, kv, seg):
-        """(out in q's dtype, Residuals)."""
+        """((out in q's dtype, lse float32), Residuals)."""
         rank = lax.axis_index(axis)
         seg_all = lax.all_gather(seg, axis)  # [shards, batch, n]: small, so gathered once instead of rotated
         in_flight = lax.ppermute(kv, axis, to_next) if shards > 1 else kv  # issued before step 0's compute
@@ -92,13 +94,15 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, options: Options,
         if shards > 1:
             (kv_last, out, lse), _ = lax.scan(body, (in_flight, out, lse), jnp.arange(1, shards - 1))
             out, lse = merge(out, lse, *step_forward(q, seg, kv_last, seg_all, rank, (rank + 1) % shards))
-        return out.astype(q.dtype), Residuals(q, kv, seg, seg_all, out, lse)
+        return (out.astype(q.dtype), lse), Residuals(q, kv, seg, seg_all, out, lse)
 
     @jax.custom_vjp
     def ring(q, kv, seg):
         return run_forward(q, kv, seg)[0]
 
-    def ring_bwd(res: Residuals, dout):
+    def ring_bwd(res: Residuals, cotangents):
+        dout, dlse = cotangents
+        dlse = None if sinks is None else dlse  # only the sinks use the lse
         rank = lax.axis_index(axis)
         in_flight = lax.ppermute(res.kv, axis, to_next) if shards > 1 else res.kv
         # dq sums in float32; dk and dv sum and travel in grad_dtype; each step's terms are float32
@@ -106,29 +110,31 @@ def ring_local(q, k, v, seg, *, axis: str, shards: int, index, options: Options,
             jnp.zeros(res.q.shape, jnp.float32),
             *(jnp.zeros(x.shape, grad_dtype(x)) for x in res.kv),
         )
-        dq, dk, dv = step_backward(res, res.kv, dout, rank, None, zeros)
+        dq, dk, dv = step_backward(res, res.kv, dout, dlse, rank, None, zeros)
 
         def body(carry, i):
             kv, (dq, dk, dv) = carry
             next_kv = lax.ppermute(kv, axis, to_next)
             dk, dv = lax.ppermute((dk, dv), axis, to_next)  # arrive with the K/V they belong to
-            return (next_kv, step_backward(res, kv, dout, rank, (rank - i) % shards, (dq, dk, dv))), None
+            return (next_kv, step_backward(res, kv, dout, dlse, rank, (rank - i) % shards, (dq, dk, dv))), None
 
         if shards > 1:
             (kv_last, (dq, dk, dv)), _ = lax.scan(body, (in_flight, (dq, dk, dv)), jnp.arange(1, shards - 1))
             dk, dv = lax.ppermute((dk, dv), axis, to_next)
-            dq, dk, dv = step_backward(res, kv_last, dout, rank, (rank + 1) % shards, (dq, dk, dv))
+            dq, dk, dv = step_backward(res, kv_last, dout, dlse, rank, (rank + 1) % shards, (dq, dk, dv))
             dk, dv = lax.ppermute((dk, dv), axis, to_next)  # home to the owner
         return dq.astype(res.q.dtype), (dk.astype(res.kv[0].dtype), dv.astype(res.kv[1].dtype)), None
 
     ring.defvjp(run_forward, ring_bwd)
-    return ring(q, (k, v), seg)
+    return attention_sinks.apply(*ring(q, (k, v), seg), sinks)
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
-    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
+    heads, dv]. With a window each step's kernel skips the block pairs outside it; every step still runs and sends
+    its K/V piece."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     index = global_index(q.shape[1], plan, shards)
-    options = kernel_options(plan, causal=causal, scale=scale)
+    options = kernel_options(plan, causal=causal, scale=scale, window=window)
     local = functools.partial(ring_local, axis=axis, shards=shards, index=index, options=options, plan=plan)
-    return run_sharded(local, mesh, axis, q, k, v, segment_ids)
+    return run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks)

@@ -12,6 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
+from parallel.kernels import sinks as attention_sinks
 from parallel.strategies.common import axis_shards, kernel_options, run_sharded, whole_sequence
 
 
@@ -52,15 +53,16 @@ def gather_heads(out, axis: str):
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
-    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv]."""
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
+    heads, dv]. Sinks apply to each device's heads before the output all-to-all (the kernel saw whole rows)."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     check_heads(q.shape[2], k.shape[2], shards, axis)
-    options = kernel_options(plan, causal=causal, scale=scale)
+    options = kernel_options(plan, causal=causal, scale=scale, window=window)
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, sinks):
         q, k, v = scatter_heads(q, k, v, axis, shards)
-        out = whole_sequence(q, k, v, gather_sequence(seg, axis), shards=shards, options=options, plan=plan)
-        return gather_heads(out, axis)
+        out, lse = whole_sequence(q, k, v, gather_sequence(seg, axis), shards=shards, options=options, plan=plan)
+        return gather_heads(attention_sinks.apply(out, lse, attention_sinks.local_heads(sinks, axis, shards)), axis)
 
-    return run_sharded(local, mesh, axis, q, k, v, segment_ids)
+    return run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks)

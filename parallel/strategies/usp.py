@@ -4,26 +4,28 @@ as its local block, load-balanced when the layout is dual_chunk over the ring si
 
 from __future__ import annotations
 
+from parallel.kernels import sinks as attention_sinks
 from parallel.strategies.common import axis_shards, global_index, kernel_options, run_sharded
 from parallel.strategies.ring import ring_local
 from parallel.strategies.ulysses import check_heads, gather_heads, gather_sequence, scatter_heads
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, plan, mesh):
-    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d] -> [batch, length, heads, dv].
-    plan.axis = (ring axis, ulysses axis)."""
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+    """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
+    heads, dv]. plan.axis = (ring axis, ulysses axis)."""
     if isinstance(plan.axis, str) or len(plan.axis) != 2:
         raise ValueError(f"usp needs axis=(ring axis, ulysses axis), got {plan.axis!r}")
     ring_axis, ulysses_axis = plan.axis
     ring_shards, ulysses_shards = axis_shards(mesh, ring_axis), axis_shards(mesh, ulysses_axis)
     check_heads(q.shape[2], k.shape[2], ulysses_shards, ulysses_axis)
     index = global_index(q.shape[1], plan, ring_shards)
-    options = kernel_options(plan, causal=causal, scale=scale)
+    options = kernel_options(plan, causal=causal, scale=scale, window=window)
 
-    def local(q, k, v, seg):
+    def local(q, k, v, seg, sinks):
         q, k, v = scatter_heads(q, k, v, ulysses_axis, ulysses_shards)
         seg = gather_sequence(seg, ulysses_axis)
-        out = ring_local(q, k, v, seg, axis=ring_axis, shards=ring_shards, index=index, options=options, plan=plan)
-        return gather_heads(out, ulysses_axis)
+        sinks = attention_sinks.local_heads(sinks, ulysses_axis, ulysses_shards)
+        ring = dict(axis=ring_axis, shards=ring_shards, index=index, options=options, plan=plan)
+        return gather_heads(ring_local(q, k, v, seg, sinks, **ring), ulysses_axis)
 
-    return run_sharded(local, mesh, plan.axis, q, k, v, segment_ids)
+    return run_sharded(local, mesh, plan.axis, q, k, v, segment_ids, sinks)

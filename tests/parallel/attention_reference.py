@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def reference(q, k, v, *, segment_ids=None, causal=True, scale=None):
+def reference(q, k, v, *, segment_ids=None, causal=True, scale=None, window=None, sinks=None):
     """q [b, t, h, dqk], k [b, t, hkv, dqk], v [b, t, hkv, dv] in original order
-    -> (out [b, t, h, dv], lse [b, t, h])."""
+    -> (out [b, t, h, dv], lse [b, t, h]). window W: query i sees keys i - W < j <= i; sinks [h]: one more logit
+    column per head whose value is zero (lse stays the keys' only)."""
     b, t, h, dqk = q.shape
     group = h // k.shape[2]
     scale = dqk**-0.5 if scale is None else scale
@@ -18,9 +19,16 @@ def reference(q, k, v, *, segment_ids=None, causal=True, scale=None):
         mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (segment_ids[:, :, None] > 0)
     if causal:
         mask &= jnp.tril(jnp.ones((t, t), bool))
+    if window is not None:
+        mask &= ~jnp.tril(jnp.ones((t, t), bool), -window)
     scores = jnp.where(mask[:, None], scores, -jnp.inf)
     lse = jax.nn.logsumexp(scores, axis=-1)
-    weights = jnp.where(mask[:, None], jnp.exp(scores - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), 0.0)
+    if sinks is not None:  # a column of logits whose value is zero
+        scores = jnp.concatenate([scores, jnp.broadcast_to(sinks[None, :, None, None], (*scores.shape[:3], 1))], -1)
+        mask = jnp.concatenate([mask, jnp.ones((b, t, 1), bool)], axis=-1)
+        v = jnp.concatenate([v, jnp.zeros((b, 1, *v.shape[2:]), v.dtype)], axis=1)
+    total = jax.nn.logsumexp(scores, axis=-1)
+    weights = jnp.where(mask[:, None], jnp.exp(scores - jnp.where(jnp.isfinite(total), total, 0.0)[..., None]), 0.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v, precision="highest")
     return out, jnp.swapaxes(lse, 1, 2)
 

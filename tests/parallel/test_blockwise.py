@@ -121,5 +121,5 @@ def test_padded_key_block_is_skipped_causally():
     seg = jnp.pad(jnp.ones((1, length), jnp.int32), ((0, 0), (0, size * count - length)))
     q_index = jnp.pad(jnp.arange(length, dtype=jnp.int32), (0, size * count - length))
     keys = _pad_keys(Tokens(jnp.ones((1, length), jnp.int32), jnp.arange(length, dtype=jnp.int32)), size)
-    kinds = np.asarray(_pair_kinds(Tokens(seg, q_index), keys, size, size, causal=True))[0]
+    kinds = np.asarray(_pair_kinds(Tokens(seg, q_index), keys, size, size, Options(causal=True)))[0]
     assert (kinds[:-1, -1] == SKIP).all() and (kinds[-1] != SKIP).all()
