@@ -1,10 +1,10 @@
-"""The Pallas attention kernels (parallel/kernels/pallas.py) compile for an H100 through XLA's GPU compiler with no
-GPU (parallel/targets.py): forward, dk / dv and dq in one program a case, at every head dim the project ships (64,
-128, 256, and latent attention's 192 for queries and keys with 128 for values), in bfloat16 (the GPU training
-dtype) and float32, GQA, causal and not, on a length of whole blocks and one that is neither whole blocks nor a
-power of two once padded. The config's blocks (256) are asked for, so the kernels' own clamp decides the tiles.
-XLA raises when a kernel needs more shared memory than the H100 gives a block (RESOURCE_EXHAUSTED), so a test
-fails when a kernel's tiles stop fitting; each also checks that all three kernels are Triton calls (JAX 0.10.2
+"""The Pallas attention kernels (parallel/kernels/pallas.py) compile for an H100 through XLA's GPU compiler with no GPU
+(parallel/targets.py): forward, dk / dv and dq in one program a case, at every head dim the project ships (64, 128,
+256, and latent attention's 192 for queries and keys with 128 for values), in bfloat16 (the GPU training dtype) and
+float32, GQA, causal and not, with a sliding window, on a length of whole blocks and one that is neither whole
+blocks nor a power of two once padded. The config's blocks (256) are asked for, so the kernels' own clamp decides
+the tiles. XLA raises when a kernel needs more shared memory than the H100 gives a block (RESOURCE_EXHAUSTED), so a
+test fails when a kernel's tiles stop fitting; each also checks that all three kernels are Triton calls (JAX 0.10.2
 lowers a kernel that does not name Triton to Mosaic GPU).
 
     python -m pytest -q tests/gpu_compile/test_pallas_kernels.py
@@ -32,7 +32,7 @@ BLOCK = 256  # the config's default block_q / block_kv
 KERNELS = ["attention_dkdv", "attention_dq", "attention_forward"]
 
 
-def compile_for_h100(dqk: int, dv: int, length: int, dtype, causal: bool) -> str:
+def compile_for_h100(dqk: int, dv: int, length: int, dtype, causal: bool, window: int | None = None) -> str:
     """The compiled HLO text of pallas.forward and pallas.backward (given the forward's out and lse as cotangents;
     only shapes matter) for one H100, batch 1."""
     sharding = jax.sharding.SingleDeviceSharding(targets.compile_only_devices("h100", 1)[0])
@@ -44,7 +44,7 @@ def compile_for_h100(dqk: int, dv: int, length: int, dtype, causal: bool) -> str
         spec(1, length, dtype=jnp.int32),  # segment ids
         spec(length, dtype=jnp.int32),  # global indices
     )
-    options = Options(causal=causal, scale=dqk**-0.5, block_q=BLOCK, block_kv=BLOCK)
+    options = Options(causal=causal, scale=dqk**-0.5, block_q=BLOCK, block_kv=BLOCK, window=window)
 
     def step(q, k, v, seg, index):
         tokens = Tokens(seg, index)
@@ -72,4 +72,11 @@ def test_kernels_fit_an_h100_in_bfloat16(head_dims, length):
 def test_kernels_fit_an_h100_in_float32(head_dims):
     """The widest rows (float32 at the largest head dims: the smallest tiles), not causal, ragged length."""
     text = compile_for_h100(*HEAD_DIMS[head_dims], LENGTHS["ragged"], jnp.float32, causal=False)
+    assert triton_kernels(text) == KERNELS
+
+
+@pytest.mark.parametrize("head_dims", ["128", "mla"])
+def test_windowed_kernels_fit_an_h100(head_dims):
+    """A sliding window (its bounds in each block-skip test and mask) in bfloat16 on the ragged length."""
+    text = compile_for_h100(*HEAD_DIMS[head_dims], LENGTHS["ragged"], jnp.bfloat16, causal=True, window=100)
     assert triton_kernels(text) == KERNELS
