@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from parallel.kernels import blockwise, cudnn, pallas
+from parallel.kernels import sinks as attention_sinks
 from parallel.kernels.arguments import Options, Tokens
 
 KERNELS = ("auto", "pallas", "blockwise", "cudnn")
@@ -112,15 +113,17 @@ def _or(kernel: Callable, fallback: Callable) -> Callable:
 
 def attention(
     q, k, v, q_tokens: Tokens | None = None, kv_tokens: Tokens | None = None, options: Options | None = None, *,
-    kernel: str | Kernel = "auto", interpret=False, backend=None,
+    sinks=None, kernel: str | Kernel = "auto", interpret=False, backend=None,
 ):  # fmt: skip
     """q: [batch, tq, heads, dqk], k: [batch, tk, kv_heads, dqk], v: [batch, tk, kv_heads, dv] ->
     (out [batch, tq, heads, dv] in q's dtype, lse [batch, tq, heads] float32, natural log).
 
     q_tokens / kv_tokens: each side's segment ids [batch, t] (0 = padding) and global indices [t]; None (the side or
-    a field) = one document, indices 0..t-1. options: None = Options() (causal, blocks of 256); scale None = dqk **
-    -0.5. A query with no visible key gets zeros and lse = -inf. `kernel`: a Kernel, or one of KERNELS selected for
-    devices of platform `backend` (None: JAX's default; see select).
+    a field) = one document, indices 0..t-1. options: None = Options() (causal, blocks of 256, no window); scale None
+    = dqk ** -0.5. sinks [heads] (None: none): per-head logits joining each softmax as a key of value zero (see
+    parallel.kernels.sinks); the lse stays the keys' only. A query with no visible key gets zeros and lse = -inf.
+    `kernel`: a Kernel, or one of KERNELS selected for devices of platform `backend` (None: JAX's default; see
+    select).
     """
     batch, tq, heads, dqk = q.shape
     tk, kv_heads = k.shape[1], k.shape[2]
@@ -135,9 +138,11 @@ def attention(
     impl = kernel if isinstance(kernel, Kernel) else select(kernel, interpret=interpret, backend=backend)
     if all(index is not None for index in known):
         static = tuple(index.astype(np.int32) for index in known)
-        return _attention(impl, options, static, q, k, v, *(side._replace(index=None) for side in sides))
-    traced = (side._replace(index=jnp.asarray(side.index, jnp.int32)) for side in sides)
-    return _attention(impl, options, None, q, k, v, *traced)
+        out, lse = _attention(impl, options, static, q, k, v, *(side._replace(index=None) for side in sides))
+    else:
+        traced = (side._replace(index=jnp.asarray(side.index, jnp.int32)) for side in sides)
+        out, lse = _attention(impl, options, None, q, k, v, *traced)
+    return attention_sinks.apply(out, lse, sinks), lse
 
 
 def _filled(tokens: Tokens | None, batch: int, length: int) -> Tokens:

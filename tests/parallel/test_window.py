@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
-from parallel.kernels import Options, Tokens, blockwise, cudnn, sinks
+from parallel.kernels import Options, Tokens, blockwise, cudnn
 from parallel.kernels.blockwise import FULL, SKIP, _pair_kinds
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
@@ -64,10 +64,9 @@ def test_windows_and_sinks_equal_the_reference(kernel):
         options = Options(block_q=BLOCK, block_kv=BLOCK, window=window)
 
         def attend(q, k, v, s):
-            out, lse = kernels.attention(
-                q[:, index], k[:, index], v[:, index], tokens, tokens, options, kernel=kernel, interpret=True
-            )
-            return sinks.apply(out, lse, s)[:, back], lse[:, back]
+            qkv = (q[:, index], k[:, index], v[:, index])
+            out, lse = kernels.attention(*qkv, tokens, tokens, options, sinks=s, kernel=kernel, interpret=True)
+            return out[:, back], lse[:, back]
 
         return loss(attend, q, k, v, s, w_out, w_lse)
 
