@@ -1,7 +1,8 @@
 """Every context strategy with a sliding window and attention sinks equals the dense reference (window mask, a sink
 as one more logit column of value zero): out and the gradients of q, k, v and the sinks, on packed rows with padding,
 GQA, at 2 and 4 devices, dual_chunk and contiguous. One compile per case runs its windows: one token, five, a
-device's piece L, L + 3, and more than the row."""
+device's piece L, L + 3, and more than the row. Sinks alone under cuDNN (its stand-in), which leaves windows to its
+general kernel."""
 
 import jax
 import jax.numpy as jnp
@@ -12,16 +13,18 @@ import parallel
 from parallel.plan import Plan, use_plan
 from parallel.reorder import from_balanced, to_balanced
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
+from tests.parallel.cudnn_standin import serve_cudnn_with_standin
 from tests.parallel.test_strategies import BATCH, LENGTH, inputs, mesh_for
 
 HEADS = 8
 
 
-def check_windows(strategy, shards, layout, kernel="blockwise"):
-    """All windows of one (strategy, shards, layout) in one compile, against the reference."""
+def check_windows(strategy, shards, layout, kernel="blockwise", windows=None):
+    """All `windows` (None: 1, 5, a piece, a piece + 3, more than the row) of one (strategy, shards, layout) in one
+    compile, against the reference."""
     mesh, axis, layout_shards = mesh_for(strategy, shards)
     piece = LENGTH // layout_shards
-    windows = (1, 5, piece, piece + 3, LENGTH + 1)
+    windows = windows or (1, 5, piece, piece + 3, LENGTH + 1)
     q, k, v, w = inputs("gqa", seed=shards)
     s = jnp.asarray(np.random.default_rng(7).normal(size=(HEADS,)), jnp.float32)
     seg = jnp.asarray(packed_segments(BATCH, LENGTH, seed=shards + 1))
@@ -82,3 +85,14 @@ def test_ring_windows_with_the_pallas_kernel():
     """Each ring step's Pallas forward / backward (interpret mode) with the window, the merged lse's cotangent from
     the sinks joining every step's backward."""
     check_windows("ring", 2, "dual_chunk", kernel="pallas")
+
+
+@pytest.mark.parametrize(
+    "strategy, shards, layout",
+    [("all_gather", 4, "dual_chunk"), ("ring", 2, "dual_chunk"), ("ulysses", 2, "contiguous")],
+)
+def test_sinks_with_the_cudnn_kernel(strategy, shards, layout, monkeypatch):
+    """Sinks without a window under cuDNN (its dense stand-in, the general kernel behind it poisoned): every call is
+    served, all_gather's split calls merge their lse, and the lse cotangent reaches cuDNN's backward."""
+    serve_cudnn_with_standin(monkeypatch)
+    check_windows(strategy, shards, layout, kernel="cudnn", windows=(None,))
