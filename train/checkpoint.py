@@ -52,24 +52,33 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-def _shapes(tree) -> dict[str, tuple[int, ...]]:
-    """A pure dict of arrays or an orbax tree metadata -> {"a/b/c": shape}."""
+def _leaves(tree) -> dict:
+    """A pure dict of arrays or an orbax tree metadata -> {"a/b/c": leaf}."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {
-        "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): tuple(leaf.shape) for path, leaf in leaves
-    }
+    return {"/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf for path, leaf in leaves}
 
 
-def structure_difference(saved, expected) -> str:
+def structure_difference(saved, expected, dtypes: bool = False) -> str:
     """How the arrays of `saved` (an orbax item's metadata) differ from `expected` (a pure dict of abstract
-    arrays) in keys and shapes; "" when they match."""
-    have, want = _shapes(saved), _shapes(expected)
+    arrays) in keys and shapes, and with `dtypes` in dtypes (which a restore would otherwise cast); "" when they
+    match."""
+    have, want = _leaves(saved), _leaves(expected)
     missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
-    reshaped = sorted(key for key in want.keys() & have.keys() if want[key] != have[key])
+    common = sorted(want.keys() & have.keys())
+    shape = {key: (tuple(have[key].shape), tuple(want[key].shape)) for key in common}
+    dtype = {key: (jax.numpy.dtype(have[key].dtype), jax.numpy.dtype(want[key].dtype)) for key in common if dtypes}
+    reshaped = [key for key, (there, here) in shape.items() if there != here]
+    retyped = [key for key, (there, here) in dtype.items() if there != here]
+    there, here = dtype[retyped[0]] if retyped else (None, None)
     parts = [
         *([f"{len(missing)} arrays missing there (e.g. {missing[0]})"] if missing else []),
         *([f"{len(extra)} arrays this run does not have (e.g. {extra[0]})"] if extra else []),
-        *([f"{reshaped[0]} has shape {have[reshaped[0]]} there, {want[reshaped[0]]} here"] if reshaped else []),
+        *([f"{reshaped[0]} has shape {shape[reshaped[0]][0]} there, {shape[reshaped[0]][1]} here"] if reshaped else []),
+        *(
+            [f"{len(retyped)} arrays of another dtype (e.g. {retyped[0]}: {there} there, {here} here)"]
+            if retyped
+            else []
+        ),
     ]
     return "; ".join(parts)
 
@@ -246,7 +255,7 @@ class Checkpointer:
     def _check_structure(self, path: pathlib.Path, saved: dict, abstract: nnx.State, config: dict | None) -> None:
         """Raises CheckpointError when the checkpoint at `path` reads but does not fit this run's state."""
         differences = {
-            item: structure_difference(saved[item], _pure(part))
+            item: structure_difference(saved[item], _pure(part), dtypes=True)
             for item, part in zip(saved, (abstract[0], abstract[1]), strict=True)
         }
         differences = {item: text for item, text in differences.items() if text}

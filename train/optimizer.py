@@ -1,11 +1,15 @@
-"""AdamW with linear warmup + cosine decay, global-norm clipping and a weight-decay mask."""
+"""AdamW with linear warmup + cosine decay, global-norm clipping, a weight-decay mask and the first moment's dtype."""
 
 from __future__ import annotations
 
 import jax
 import optax
 
+from models.dtypes import DTYPES, PARAM_DTYPES
+
 NO_DECAY = ("scale", "bias")  # norm scales and biases are not decayed
+# what AdamW's first moment is stored in; param: the parameters' dtype (the second moment's, always)
+MU_DTYPES = ("param", *PARAM_DTYPES)
 
 
 def learning_rate_schedule(config, total_steps: int) -> optax.Schedule:
@@ -34,7 +38,9 @@ def decay_mask(params):
 
 
 def make_optimizer(config, total_steps: int) -> optax.GradientTransformation:
-    """The optax transformation for an OptimizerConfig."""
+    """The optax transformation for an OptimizerConfig: AdamW's first moment `mu` in `mu_dtype` (each update is
+    computed at the gradients' precision and rounded when stored), its second moment `nu` in the parameters' dtype,
+    both shaped like the parameters."""
     parts = [optax.clip_by_global_norm(config.clip_norm)] if config.clip_norm > 0 else []
     parts.append(
         optax.adamw(
@@ -44,6 +50,7 @@ def make_optimizer(config, total_steps: int) -> optax.GradientTransformation:
             eps=config.eps,
             weight_decay=config.weight_decay,
             mask=decay_mask,
+            mu_dtype=None if config.mu_dtype == "param" else DTYPES[config.mu_dtype],
         )
     )
     return optax.chain(*parts)

@@ -249,6 +249,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "model.param_dtype": dtypes.PARAM_DTYPES,
         "model.router_score": moe.ROUTER_SCORES,
         "compute.dtype": ("auto", *dtypes.DTYPES),
+        "optimizer.mu_dtype": ("param", *dtypes.PARAM_DTYPES),
         "compute.remat_policy": remat.POLICIES,
         "data.format": ("auto", "text", *sources.READERS),
         "data.packing": data.PACKINGS,

@@ -1,5 +1,7 @@
-"""Optimizer: schedule shape, the rate each update uses, weight-decay mask, gradient accumulation equals one big
-batch."""
+"""Optimizer: schedule shape, the rate each update uses, weight-decay mask, the first moment's dtype (and a
+checkpoint of another refused on resume), gradient accumulation equals one big batch."""
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,8 @@ import pytest
 from flax import nnx
 
 import models
-from train.config import ComputeConfig, ModelConfig, OptimizerConfig
+from train.checkpoint import structure_difference
+from train.config import ComputeConfig, ConfigError, ModelConfig, OptimizerConfig, load_config
 from train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from train.step import accumulated_grads
 
@@ -50,6 +53,43 @@ def test_weight_decay_spares_norm_scales():
     mask = nnx.to_pure_dict(decay_mask(nnx.state(model, nnx.Param)))
     assert mask["layers"]["attn_norm"]["scale"] is False and mask["final_norm"]["scale"] is False
     assert mask["layers"]["attn"]["q"] is True and mask["embed"]["embedding"] is True
+
+
+@pytest.mark.parametrize(
+    "mu_dtype, param_dtype, mu, nu",
+    [
+        ("param", jnp.float32, jnp.float32, jnp.float32),
+        ("float32", jnp.float32, jnp.float32, jnp.float32),
+        ("bfloat16", jnp.float32, jnp.bfloat16, jnp.float32),
+        ("param", jnp.bfloat16, jnp.bfloat16, jnp.bfloat16),
+    ],
+)
+def test_first_moment_takes_mu_dtype_second_the_params(mu_dtype, param_dtype, mu, nu):
+    """mu [4] is stored in mu_dtype before and after an update; nu [4] in the parameters' dtype."""
+    tx = make_optimizer(OptimizerConfig(mu_dtype=mu_dtype), 10)
+    params = {"w": jnp.ones(4, param_dtype)}
+    _, state = tx.update({"w": jnp.full(4, 0.1, param_dtype)}, tx.init(params), params)
+    adam = state[1][0]
+    assert adam.mu["w"].dtype == mu and adam.nu["w"].dtype == nu
+    np.testing.assert_allclose(np.asarray(adam.mu["w"], np.float32), 0.01, rtol=1e-2)  # (1 - b1) * 0.1
+
+
+def test_a_mu_dtype_outside_the_choices_is_one_line():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["optimizer.mu_dtype=float16"])
+    assert str(info.value) == "optimizer.mu_dtype='float16' is not allowed; choose one of param, float32, bfloat16"
+
+
+def test_a_checkpoint_of_other_moment_dtypes_does_not_fit():
+    """A resume compares dtypes too (a restore would cast): float32 moments saved, bfloat16 asked."""
+    params = {"w": jax.ShapeDtypeStruct((4, 2), jnp.float32)}
+    saved, asked = (
+        jax.eval_shape(make_optimizer(OptimizerConfig(mu_dtype=dtype), 10).init, params)
+        for dtype in ("float32", "bfloat16")
+    )
+    assert structure_difference(saved, asked) == ""  # keys and shapes alike: what a parameters-only read checks
+    difference = structure_difference(saved, asked, dtypes=True)  # the path of optax's state here, a dict's there
+    assert re.fullmatch(r"1 arrays of another dtype \(e\.g\. \S*mu/w: float32 there, bfloat16 here\)", difference)
 
 
 def test_gradient_accumulation_equals_one_batch():

@@ -66,6 +66,10 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0  # 0 = no clipping
+    # AdamW's first moment (mu): param = model.param_dtype (float32 unless set), float32 or bfloat16. The second
+    # moment (nu) stays in model.param_dtype: its (1 - b2) * g^2 increments fall below bfloat16's resolution once
+    # b2 > 0.996, so a bfloat16 nu beside float32 parameters would stop tracking the gradients
+    mu_dtype: str = "param"
 
 
 @dataclass(frozen=True)

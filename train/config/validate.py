@@ -23,6 +23,7 @@ from parallel.planning import EXPERT_DISPATCHES, check_context, check_tensor
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
 from train.config.schema import FORMATS, PACKINGS, Config, MeshConfig
+from train.optimizer import MU_DTYPES
 
 # key -> the names its registry implements
 CHOICES = {
@@ -31,6 +32,7 @@ CHOICES = {
     "model.param_dtype": PARAM_DTYPES,
     "model.router_score": ROUTER_SCORES,
     "compute.dtype": COMPUTE_DTYPES,
+    "optimizer.mu_dtype": MU_DTYPES,
     "compute.remat_policy": tuple(POLICIES),
     "data.format": FORMATS,
     "data.packing": PACKINGS,
