@@ -122,8 +122,24 @@ def test_tiny_recipe_fine_tunes_an_imported_checkpoint_with_context_parallelism(
     assert losses[-1] < losses[0] - 0.5, losses
 
 
-@pytest.mark.parametrize("name", ["finetune-128k-llama3.1-8b", "finetune-128k-deepseek-v2-lite"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "finetune-128k-llama3.1-8b",
+        "finetune-128k-deepseek-v2-lite",
+        "finetune-128k-qwen3-8b",
+        "finetune-128k-qwen3-30b-a3b",
+    ],
+)
 def test_full_size_recipes_validate(name, tmp_path):
     config = load_config(REPO / "configs" / f"{name}.yaml", [f"checkpoint.init_from={tmp_path}"])
     assert config.data.seq_len == 131072 and config.mesh.context == 8
     assert config.parallel.context_strategy == "ring" and config.compute.remat_policy == "full"
+
+
+@pytest.mark.parametrize("name", ["finetune-128k-qwen3-8b", "finetune-128k-qwen3-30b-a3b"])
+def test_qwen3_recipes_take_yarn_factor_4_over_32768(name, tmp_path):
+    """Qwen's documented 128K setting, stated in the recipe: YaRN 4 x 32768 = 131072 positions."""
+    model = load_config(REPO / "configs" / f"{name}.yaml", [f"checkpoint.init_from={tmp_path}"]).model
+    assert model.rope_scaling == RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=32768)
+    assert model.max_position_embeddings == 131072

@@ -1,5 +1,6 @@
-"""The DeepSeek 128K recipes fit 80 GiB per device in `--plan`: V2-Lite on 8 devices, V3 on 256 (slow: each compiles
-the full-size step for simulated CPU devices, about a minute each; `python -m pytest -m slow`)."""
+"""The 128K recipes fit 80 GiB per device in `--plan`: Qwen3-8B on 8 devices and Qwen3-30B-A3B on 16 (about 10 s
+each), DeepSeek-V2-Lite on 8 and V3 on 256 (slow: each compiles the full-size step for simulated CPU devices, about
+a minute each; `python -m pytest -m slow`)."""
 
 import pathlib
 import subprocess
@@ -10,10 +11,9 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name, devices", [("finetune-128k-deepseek-v2-lite", 8), ("finetune-128k-deepseek-v3", 256)])
-def test_deepseek_128k_recipe_fits_80_gib(name, devices):
-    done = subprocess.run(
+def plan(name: str, devices: int) -> subprocess.CompletedProcess:
+    """`python -m train configs/<name>.yaml --plan --devices <devices> --device-memory 80GiB`, finished."""
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -30,4 +30,16 @@ def test_deepseek_128k_recipe_fits_80_gib(name, devices):
         text=True,
         timeout=1200,
     )
+
+
+@pytest.mark.parametrize("name, devices", [("finetune-128k-qwen3-8b", 8), ("finetune-128k-qwen3-30b-a3b", 16)])
+def test_qwen3_128k_recipe_fits_80_gib(name, devices):
+    done = plan(name, devices)
+    assert done.returncode == 0 and "fits" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, devices", [("finetune-128k-deepseek-v2-lite", 8), ("finetune-128k-deepseek-v3", 256)])
+def test_deepseek_128k_recipe_fits_80_gib(name, devices):
+    done = plan(name, devices)
     assert done.returncode == 0 and "fits" in done.stdout, done.stdout + done.stderr
