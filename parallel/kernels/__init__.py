@@ -167,16 +167,27 @@ def _attention(impl: Kernel, options: Options, static, q, k, v, q_tokens: Tokens
     return impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options)
 
 
+class Residuals(NamedTuple):
+    """What the forward keeps for the backward: its inputs and (out, lse)."""
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    q_tokens: Tokens
+    kv_tokens: Tokens
+    out: jax.Array
+    lse: jax.Array
+
+
 def _attention_fwd(impl, options, static, q, k, v, q_tokens, kv_tokens):
     out, lse = impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options)
-    return (out, lse), (q, k, v, q_tokens, kv_tokens, out, lse)
+    return (out, lse), Residuals(q, k, v, q_tokens, kv_tokens, out, lse)
 
 
-def _attention_bwd(impl, options, static, residuals, cotangents):
-    q, k, v, q_tokens, kv_tokens, out, lse = residuals
+def _attention_bwd(impl, options, static, saved: Residuals, cotangents):
     dout, dlse = cotangents
-    sides = _sides(static, q_tokens, kv_tokens)
-    dq, dk, dv = impl.backward(q, k, v, *sides, out, lse, dout, dlse, options=options)
+    sides = _sides(static, saved.q_tokens, saved.kv_tokens)
+    dq, dk, dv = impl.backward(saved.q, saved.k, saved.v, *sides, saved.out, saved.lse, dout, dlse, options=options)
     return dq, dk, dv, None, None
 
 

@@ -21,6 +21,7 @@ length is staged in shared memory (Mosaic GPU would copy it there).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -82,21 +83,28 @@ def _load(refs: Tokens, at=...) -> Tokens:
     return Tokens(refs.segment_ids[at], refs.index[at])
 
 
-def _summary(tokens: Tokens):
-    """Segment-id and global-index range of one block: (smallest non-zero id, largest id, smallest, largest index)."""
+class Summary(NamedTuple):
+    """Segment-id and global-index range of one block (scalars): smallest non-zero id, largest id, smallest and
+    largest index."""
+
+    seg_min: jax.Array
+    seg_max: jax.Array
+    index_min: jax.Array
+    index_max: jax.Array
+
+
+def _summary(tokens: Tokens) -> Summary:
     seg, index = tokens.segment_ids, tokens.index
-    return jnp.min(jnp.where(seg > 0, seg, INT32_MAX)), jnp.max(seg), jnp.min(index), jnp.max(index)
+    return Summary(jnp.min(jnp.where(seg > 0, seg, INT32_MAX)), jnp.max(seg), jnp.min(index), jnp.max(index))
 
 
-def _visible(q_summary, kv_summary, causal: bool, window: int | None):
+def _visible(q: Summary, kv: Summary, causal: bool, window: int | None):
     """Whether any (query, key) pair of two blocks can be visible (parallel.segments.visible_blocks, one pair)."""
-    q_lo, q_hi, q_index_lo, q_index_hi = q_summary
-    kv_lo, kv_hi, kv_index_lo, kv_index_hi = kv_summary
-    visible = (q_lo <= kv_hi) & (kv_lo <= q_hi)
+    visible = (q.seg_min <= kv.seg_max) & (kv.seg_min <= q.seg_max)
     if causal:
-        visible &= kv_index_lo <= q_index_hi
+        visible &= kv.index_min <= q.index_max
     if window is not None:
-        visible &= kv_index_hi > q_index_lo - window
+        visible &= kv.index_max > q.index_min - window
     return visible
 
 
