@@ -69,3 +69,17 @@ def assert_round_trip(reference, source: pathlib.Path, out: pathlib.Path, vocab_
     for name in original:
         np.testing.assert_array_equal(written[name], original[name], err_msg=name)
     return model
+
+
+# the small sizes of the GQA families' round-trip cases (Qwen, Mistral)
+SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
+
+
+def assert_case_round_trips(tmp_path: pathlib.Path, config_class, model_class, fields: dict, expected: dict):
+    """A random `model_class` of SIZES and `fields` (weights of std 0.1), saved by transformers in shards, round-trips
+    (assert_round_trip), and the imported config holds `expected` ({field: value})."""
+    torch.manual_seed(0)
+    reference = model_class(config_class(**SIZES, initializer_range=0.1, **fields))
+    save_random(reference, tmp_path / "hf", max_shard_size="30KB")
+    model = assert_round_trip(reference, tmp_path / "hf", tmp_path / "out")
+    assert {key: getattr(model.config, key) for key in expected} == expected

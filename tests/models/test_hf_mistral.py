@@ -7,17 +7,15 @@ import dataclasses
 import pathlib
 
 import pytest
-import torch
 from transformers import MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from models.config import ModelConfig
 from models.hf.families import for_export
 from models.hf.mistral import mistral_config_from_hf, mixtral_config_from_hf
-from tests.models.hf_reference import assert_round_trip, save_random
+from tests.models.hf_reference import assert_case_round_trips
 from train.config import load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
-SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 CASES = {  # name -> (config class, model class, fields, ModelConfig fields expected)
     "mistral-untied": (
         MistralConfig,
@@ -67,12 +65,7 @@ MIXTRAL_8X7B = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_import_and_export_match_transformers(tmp_path, case):
-    config_class, model_class, fields, expected = CASES[case]
-    torch.manual_seed(0)
-    reference = model_class(config_class(**SIZES, initializer_range=0.1, **fields))
-    save_random(reference, tmp_path / "hf", max_shard_size="30KB")
-    model = assert_round_trip(reference, tmp_path / "hf", tmp_path / "out")
-    assert {key: getattr(model.config, key) for key in expected} == expected
+    assert_case_round_trips(tmp_path, *CASES[case])
 
 
 @pytest.mark.parametrize(

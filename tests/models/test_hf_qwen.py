@@ -8,7 +8,6 @@ import dataclasses
 import pathlib
 
 import pytest
-import torch
 from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -19,12 +18,11 @@ from transformers import (
 )
 
 from models.hf.qwen import qwen2_config_from_hf, qwen3_config_from_hf, qwen3_moe_config_from_hf
-from tests.models.hf_reference import assert_round_trip, save_random
+from tests.models.hf_reference import assert_case_round_trips
 from train.config import load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0, "beta_slow": 1.0}
-SIZES = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2)
 CASES = {  # name -> (config class, model class, fields, ModelConfig fields expected)
     "qwen2-biases-yarn-untied": (
         Qwen2Config,
@@ -115,12 +113,7 @@ QWEN3_30B_A3B = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_import_and_export_match_transformers(tmp_path, case):
-    config_class, model_class, fields, expected = CASES[case]
-    torch.manual_seed(0)
-    reference = model_class(config_class(**SIZES, initializer_range=0.1, **fields))
-    save_random(reference, tmp_path / "hf", max_shard_size="30KB")
-    model = assert_round_trip(reference, tmp_path / "hf", tmp_path / "out")
-    assert {key: getattr(model.config, key) for key in expected} == expected
+    assert_case_round_trips(tmp_path, *CASES[case])
 
 
 @pytest.mark.parametrize(
