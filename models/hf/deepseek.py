@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from models.config import ModelConfig
-from models.hf.rope import rope_from_hf, rope_to_hf
+from models.hf.decoder_config import decoder_config_to_hf
+from models.hf.rope import rope_from_hf
 from models.hf.spec import (
     Family,
     Tensor,
@@ -172,17 +173,9 @@ def is_v2(config: ModelConfig) -> bool:
 
 
 def _hf_config(config: ModelConfig, architecture: str, model_type: str) -> dict:
-    """The config.json keys both architectures share. max_position_embeddings (unused by our model) is the rope
-    scaling's factor x original_max_position_embeddings."""
-    rope = config.rope_scaling
+    """The config.json keys both architectures share: decoder_config_to_hf's, latent attention and experts."""
     return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.embed_dim,
-        "intermediate_size": config.mlp_dim,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
+        **decoder_config_to_hf(config, architecture, model_type, ROPE_TYPES),
         "num_key_value_heads": config.num_heads,
         "q_lora_rank": config.q_lora_rank or None,
         "kv_lora_rank": config.kv_lora_rank,
@@ -197,10 +190,6 @@ def _hf_config(config: ModelConfig, architecture: str, model_type: str) -> dict:
         "n_group": config.n_group,
         "topk_group": config.topk_group,
         "routed_scaling_factor": config.routed_scaling_factor,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "max_position_embeddings": int(rope.factor * rope.original_max_position_embeddings),
-        **rope_to_hf(config, architecture, ROPE_TYPES),
     }
 
 

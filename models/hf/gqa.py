@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from models.config import ModelConfig
-from models.hf.rope import rope_from_hf, rope_to_hf
+from models.hf.decoder_config import decoder_config_to_hf
+from models.hf.rope import rope_from_hf
 from models.hf.spec import (
     Tensor,
     check_required,
@@ -50,23 +51,11 @@ def config_from_hf(hf: dict, family: str, architecture: str, required: dict, rop
 
 
 def config_to_hf(config: ModelConfig, architecture: str, model_type: str, rope_types) -> dict:
-    """The config.json keys of `config_from_hf`'s sizes and rope. max_position_embeddings (unused by our model) is
-    the rope scaling's factor x original_max_position_embeddings (8192 without scaling)."""
-    rope = config.rope_scaling
+    """The config.json keys of `config_from_hf`'s sizes and rope (decoder_config_to_hf's and the key/value heads)."""
     return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.embed_dim,
-        "intermediate_size": config.mlp_dim,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
+        **decoder_config_to_hf(config, architecture, model_type, rope_types),
         "num_key_value_heads": config.num_kv_heads,
         "head_dim": config.head_dim,
-        "rms_norm_eps": config.norm_eps,
-        "tie_word_embeddings": config.tie_embeddings,
-        "max_position_embeddings": int(rope.factor * rope.original_max_position_embeddings),
-        **rope_to_hf(config, architecture, rope_types),
     }
 
 
