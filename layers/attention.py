@@ -1,8 +1,9 @@
 """Grouped-query self-attention with rotary embeddings; the attention itself is `parallel.attention`, the
 projections gather tokens (`parallel.gather`) and reduce-scatter them (`parallel.project_scatter`).
 
-Optional, as Hugging Face families have them: q/k/v biases (Qwen2's q/k/v_proj bias) and a per-head RMSNorm of
-queries and keys over head_dim before rope (Qwen3's q_norm / k_norm)."""
+Optional, as Hugging Face families have them: q/k/v biases (Qwen2's q/k/v_proj bias), a per-head RMSNorm of queries
+and keys over head_dim before rope (Qwen3's q_norm / k_norm), a sliding window (Mistral's sliding_window) and a
+softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class Attention(nnx.Module):
 
     Parameters: q [embed, heads, head_dim], k / v [embed, kv_heads, head_dim], o [heads, head_dim, embed]; with
     `qkv_bias` q_bias / k_bias / v_bias HeadBias of the heads / kv heads; with `qk_norm` q_norm / k_norm
-    RMSNorm(head_dim, eps=norm_eps)."""
+    RMSNorm(head_dim, eps=norm_eps, offset=norm_offset); `window` W: a query at i sees keys i - W < j <= i (None: all
+    before it); `scale`: the softmax scale (None: head_dim ** -0.5)."""
 
     def __init__(
         self,
@@ -49,12 +51,16 @@ class Attention(nnx.Module):
         qkv_bias: bool = False,
         qk_norm: bool = False,
         norm_eps: float = 1e-6,
+        norm_offset: float = 0.0,
+        window: int | None = None,
+        scale: float | None = None,
         param_dtype=jnp.float32,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.dtype = dtype
+        self.dtype, self.window = dtype, window
+        self.scale = head_dim**-0.5 if scale is None else scale
         inv_freq, self.rope_factor = inverse_frequencies(head_dim, rope_theta, rope_scaling)
         self.inv_freq = tuple(float(f) for f in inv_freq)
         self.q = normal_param(
@@ -73,9 +79,9 @@ class Attention(nnx.Module):
         self.q_bias = HeadBias(num_heads, head_dim, heads, param_dtype) if qkv_bias else None
         self.k_bias = HeadBias(num_kv_heads, head_dim, kv_heads, param_dtype) if qkv_bias else None
         self.v_bias = HeadBias(num_kv_heads, head_dim, kv_heads, param_dtype) if qkv_bias else None
-        norm = dict(eps=norm_eps, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(head_dim, **norm) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, **norm) if qk_norm else None
+        norms = dict(eps=norm_eps, offset=norm_offset, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(head_dim, **norms) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, **norms) if qk_norm else None
 
     def _project(self, tokens, kernel, bias: HeadBias | None, repeat: bool = False):
         """tokens.project onto [batch, length, heads, head_dim], plus `bias` when there is one."""
@@ -94,7 +100,7 @@ class Attention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq, self.rope_factor)
         k = apply_rope(k, positions, inv_freq, self.rope_factor)
-        out = parallel.attention(q, k, v, segment_ids=segment_ids, causal=True, scale=self.head_dim**-0.5)
+        out = parallel.attention(q, k, v, segment_ids=segment_ids, causal=True, scale=self.scale, window=self.window)
         return checkpoint_name(
             parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"), "o_proj"
         )

@@ -1,4 +1,4 @@
-"""Root-mean-square layer normalisation (as Hugging Face `LlamaRMSNorm`)."""
+"""Root-mean-square layer normalisation (as Hugging Face `LlamaRMSNorm`; with offset 1 as `Gemma3RMSNorm`)."""
 
 from __future__ import annotations
 
@@ -10,25 +10,31 @@ from layers.params import logical_param
 
 
 class RMSNorm(nnx.Module):
-    """Normalises the last axis by its root mean square, then scales; `scale`: [dim]."""
+    """Normalises the last axis by its root mean square, then scales by offset + `scale` [dim] (ones at first).
+
+    offset 0: Llama's norm, scaled in `dtype`; offset 1: Gemma's, whose stored weight is `scale` (zeros at first,
+    so checkpoints round-trip exactly) and which scales in float32 before casting, as Hugging Face's does."""
 
     def __init__(
         self,
         dim: int,
         *,
         eps: float = 1e-5,
+        offset: float = 0.0,
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        del rngs  # the scale starts at ones
-        self.eps = eps
+        del rngs  # the scale starts at 1 - offset
+        self.eps, self.offset = eps, offset
         self.dtype = dtype
-        self.scale = logical_param(jnp.ones((dim,), param_dtype), ("norm",))
+        self.scale = logical_param(jnp.full((dim,), 1.0 - offset, param_dtype), ("norm",))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., dim] -> [..., dim] in `dtype`; the statistics are computed in float32."""
         x32 = x.astype(jnp.float32)
         variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        normalised = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
-        return normalised * self.scale[...].astype(self.dtype)
+        normalised = x32 * jax.lax.rsqrt(variance + self.eps)
+        if self.offset:
+            return (normalised * (self.offset + self.scale[...].astype(jnp.float32))).astype(self.dtype)
+        return normalised.astype(self.dtype) * self.scale[...].astype(self.dtype)

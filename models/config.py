@@ -11,6 +11,9 @@ from dataclasses import dataclass, field, replace
 
 from layers.rope import RopeScalingConfig, stretch_scaling
 
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)  # Hugging Face's layer_types names
+
 
 class ConfigError(ValueError):
     """A configuration key has a value that is not allowed."""
@@ -41,6 +44,10 @@ class ModelConfig:
     # Grouped-query attention (every family but deepseek; Hugging Face names in comments)
     qkv_bias: bool = False  # q/k/v_proj bias (Qwen2; no o_proj bias, unlike Llama's attention_bias)
     qk_norm: bool = False  # q_norm / k_norm (Qwen3): RMSNorm over each head's head_dim of q and k before rope
+    # sliding_window: a sliding_attention layer's query at i sees keys i - W < j <= i; 0 = no window
+    sliding_window: int = 0
+    # layer_types: each layer's attention (LAYER_TYPES); () = every layer sliding when sliding_window > 0, else full
+    layer_types: tuple[str, ...] = ()
     # Multi-head latent attention (deepseek; Hugging Face names in comments)
     q_lora_rank: int = 0  # q_lora_rank; 0 = full-rank query projection
     kv_lora_rank: int = 0  # kv_lora_rank
@@ -69,6 +76,13 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         """Blocks that end in a mixture of experts (the ones after the dense blocks)."""
         return self.num_layers - self.num_dense_layers
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Each layer's attention, one of LAYER_TYPES: `layer_types`, or the same for every layer when it is ()."""
+        if self.layer_types:
+            return self.layer_types
+        return (SLIDING if self.sliding_window else FULL,) * self.num_layers
 
     @property
     def attention_dims(self) -> tuple[int, int, int, int]:
@@ -116,6 +130,7 @@ def check_model(m: ModelConfig) -> None:
             f"model.rope_scaling.high_freq_factor={scaling.high_freq_factor} must exceed "
             f"low_freq_factor={scaling.low_freq_factor}",
         )
+    _check_layer_types(m)
     if m.family == "deepseek":
         _check_latent(m)
     _check_experts(m)
@@ -179,12 +194,33 @@ def _describe(scaling: RopeScalingConfig) -> str:
     return f"{scaling.type} factor {scaling.factor:g} over {scaling.original_max_position_embeddings}"
 
 
+def _check_layer_types(m: ModelConfig) -> None:
+    """sliding_window and layer_types: one known type per layer, a window wherever a layer slides."""
+    require(m.sliding_window >= 0, f"model.sliding_window={m.sliding_window} must be >= 0 (0 = no window)")
+    require(
+        not m.layer_types or len(m.layer_types) == m.num_layers,
+        f"model.layer_types has {len(m.layer_types)} entries; it needs one per layer (model.num_layers="
+        f"{m.num_layers}) or none",
+    )
+    unknown = sorted(set(m.layer_types) - set(LAYER_TYPES))
+    require(not unknown, f"model.layer_types has {unknown}; allowed: {', '.join(LAYER_TYPES)}")
+    require(
+        m.sliding_window > 0 or SLIDING not in m.layer_types,
+        f"model.layer_types has {SLIDING} layers but model.sliding_window=0; set the window (> 0)",
+    )
+
+
 def _check_latent(m: ModelConfig) -> None:
     """Latent attention fields of a deepseek model."""
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for model.family=deepseek")
     require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even")
     require(m.q_lora_rank >= 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0 = full-rank query)")
+    require(
+        SLIDING not in m.layer_kinds,
+        f"model.sliding_window={m.sliding_window} is a grouped-query attention feature; latent attention "
+        f"(model.family=deepseek) has none: set model.sliding_window=0 and model.layer_types=[]",
+    )
     for key in ("qkv_bias", "qk_norm"):
         require(
             not getattr(m, key),

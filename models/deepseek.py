@@ -7,7 +7,7 @@ from flax import nnx
 
 from layers.mla import MLA
 from models import block
-from models.config import ModelConfig
+from models.config import FULL, ModelConfig
 from models.mixture import MixtureDecoder
 
 
@@ -29,9 +29,11 @@ def latent_attention(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MLA:
 
 
 class Block(block.Block):
-    """A block with latent attention, ending in a mixture of experts if `moe`, else a dense SwiGLU."""
+    """A block with latent attention (every layer of `kind` full_attention), ending in a mixture of experts if `moe`,
+    else a dense SwiGLU."""
 
-    def __init__(self, config: ModelConfig, *, moe: bool, rngs: nnx.Rngs, **kw):
+    def __init__(self, config: ModelConfig, kind: str = FULL, *, moe: bool, rngs: nnx.Rngs, **kw):
+        del kind  # check_model gives latent attention no sliding layers
         super().__init__(config, latent_attention(config, rngs=rngs, **kw), moe=moe, rngs=rngs, **kw)
 
 

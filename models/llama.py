@@ -1,7 +1,8 @@
 """Llama-style decoder: pre-norm blocks (RMSNorm, grouped-query attention with RoPE, SwiGLU), scanned.
 
-Llama 2 / 3 / 3.1 / 3.2, Qwen2 / 2.5, Qwen3 and Mistral (without a sliding window) differ only in config fields:
-heads, rope theta and scaling, tied embeddings, q/k/v biases (`qkv_bias`) and q/k norms (`qk_norm`).
+Llama 2 / 3 / 3.1 / 3.2, Qwen2 / 2.5, Qwen3 and Mistral differ only in config fields: heads, rope theta and
+scaling, tied embeddings, q/k/v biases (`qkv_bias`), q/k norms (`qk_norm`) and sliding windows (`sliding_window`,
+`layer_types`; a stack whose layers differ scans in groups, models/stack.py).
 """
 
 from __future__ import annotations
@@ -10,13 +11,14 @@ from flax import nnx
 
 from layers.attention import Attention
 from models import block
-from models.config import ComputeConfig, ModelConfig
+from models.config import FULL, SLIDING, ComputeConfig, ModelConfig
 from models.decoder import Decoder
-from models.stack import make_stack, run_stack
+from models.stack import make_layers, run_layers
 
 
-def attention(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> Attention:
-    """The grouped-query attention of `config` (biases and q/k norms as its fields say)."""
+def attention(config: ModelConfig, kind: str, *, rngs: nnx.Rngs, **kw) -> Attention:
+    """The grouped-query attention of `config` in a layer of `kind` (LAYER_TYPES: a sliding one attends within
+    sliding_window); biases and q/k norms as its fields say."""
     return Attention(
         config.embed_dim,
         config.num_heads,
@@ -27,26 +29,30 @@ def attention(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> Attention:
         qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm,
         norm_eps=config.norm_eps,
+        window=config.sliding_window if kind == SLIDING else None,
         rngs=rngs,
         **kw,
     )
 
 
 class Block(block.Block):
-    """A block with grouped-query attention: dense, or with `moe` a mixture-of-experts block (models/mixtral.py)."""
+    """A block with grouped-query attention of `kind`: dense, or with `moe` a mixture-of-experts block
+    (models/mixtral.py)."""
 
-    def __init__(self, config: ModelConfig, *, moe: bool = False, rngs: nnx.Rngs, **kw):
-        super().__init__(config, attention(config, rngs=rngs, **kw), moe=moe, rngs=rngs, **kw)
+    def __init__(self, config: ModelConfig, kind: str = FULL, *, moe: bool = False, rngs: nnx.Rngs, **kw):
+        super().__init__(config, attention(config, kind, rngs=rngs, **kw), moe=moe, rngs=rngs, **kw)
 
 
 class Llama(Decoder):
-    """A stack of `num_layers` dense blocks between the shared embedding and head (see models/decoder.py)."""
+    """A stack of `num_layers` dense blocks of the config's layer kinds between the shared embedding and head (see
+    models/decoder.py)."""
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
         super().__init__(config, compute, rngs=rngs)
-        self.layers = make_stack(lambda r: Block(config, rngs=r, **self.dtypes()), config.num_layers, rngs)
+        kw = self.dtypes()
+        self.layers = make_layers(lambda kind, r: Block(config, kind, rngs=r, **kw), config.layer_kinds, rngs)
 
     def blocks(self, x, positions, segment_ids):
         """-> (x, {}): dense blocks report nothing."""
-        x, _ = run_stack(self.layers, x, positions, segment_ids, remat_policy=self.compute.remat_policy)
+        x, _ = run_layers(self.layers, x, positions, segment_ids, remat_policy=self.compute.remat_policy)
         return x, {}

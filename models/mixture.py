@@ -1,5 +1,6 @@
 """A decoder with mixture-of-experts blocks: the first `num_dense_layers` blocks end in a dense SwiGLU, the other
-`num_moe_layers` in a mixture of experts (all dense when `num_experts` is 0), as two scanned stacks.
+`num_moe_layers` in a mixture of experts (all dense when `num_experts` is 0), as two scanned stacks of the
+config's layer kinds (models/stack.py).
 
 Expert loads come back from `hidden` as aux; `balance` turns them into the aux-loss-free router-bias update and the
 load metrics after each optimizer step. A family (models/deepseek.py, models/mixtral.py) names its block class.
@@ -14,26 +15,26 @@ from flax import nnx
 from layers.moe import load_imbalance, update_router_bias
 from models.config import ComputeConfig, ModelConfig
 from models.decoder import Decoder
-from models.stack import make_stack, run_stack
+from models.stack import make_layers, run_layers, stacked_blocks
 
 
 class MixtureDecoder(Decoder):
     """`dense_layers` then `moe_layers` (each None when empty) between the shared embedding and head.
 
-    `block` is the family's block class: block(config, moe=..., rngs=..., param_dtype=..., dtype=...)."""
+    `block` is the family's block class: block(config, kind, moe=..., rngs=..., param_dtype=..., dtype=...)."""
 
     block: type[nnx.Module]
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
         super().__init__(config, compute, rngs=rngs)
-        kw = self.dtypes()
+        kw, kinds, dense = self.dtypes(), config.layer_kinds, config.num_dense_layers
         self.dense_layers = (
-            make_stack(lambda r: self.block(config, moe=False, rngs=r, **kw), config.num_dense_layers, rngs)
-            if config.num_dense_layers
+            make_layers(lambda kind, r: self.block(config, kind, moe=False, rngs=r, **kw), kinds[:dense], rngs)
+            if dense
             else None
         )
         self.moe_layers = (
-            make_stack(lambda r: self.block(config, moe=True, rngs=r, **kw), config.num_moe_layers, rngs)
+            make_layers(lambda kind, r: self.block(config, kind, moe=True, rngs=r, **kw), kinds[dense:], rngs)
             if config.num_moe_layers
             else None
         )
@@ -44,9 +45,9 @@ class MixtureDecoder(Decoder):
         aux = {}
         policy = self.compute.remat_policy
         if self.dense_layers is not None:
-            x, _ = run_stack(self.dense_layers, x, positions, segment_ids, remat_policy=policy)
+            x, _ = run_layers(self.dense_layers, x, positions, segment_ids, remat_policy=policy)
         if self.moe_layers is not None:
-            x, stats = run_stack(self.moe_layers, x, positions, segment_ids, remat_policy=policy)
+            x, stats = run_layers(self.moe_layers, x, positions, segment_ids, remat_policy=policy)
             aux = {"expert_counts": stats["counts"], "expert_dropped": stats["dropped"]}
         return x, aux
 
@@ -58,8 +59,11 @@ class MixtureDecoder(Decoder):
         if self.moe_layers is None:
             return {}
         counts = jax.lax.stop_gradient(aux["expert_counts"])
-        bias = self.moe_layers.moe.bias
-        bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], counts, self.config.router_bias_rate)
+        for block, layers in stacked_blocks(self.moe_layers, self.config.layer_kinds[self.config.num_dense_layers :]):
+            bias = block.moe.bias
+            bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(
+                bias[...], counts[jnp.asarray(layers)], self.config.router_bias_rate
+            )
         imbalance = jax.vmap(load_imbalance)(counts)
         dropped = jnp.sum(aux["expert_dropped"]) / jnp.maximum(jnp.sum(counts), 1.0)
         return {

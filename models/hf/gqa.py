@@ -14,17 +14,15 @@ from models.config import ModelConfig
 from models.hf.decoder_config import decoder_config_to_hf
 from models.hf.rope import rope_from_hf
 from models.hf.spec import (
+    Placement,
     Tensor,
     check_required,
     check_unquantized,
     heads_in_to_hf,
     heads_out_to_hf,
-    moe_experts,
-    moe_layers,
+    placements,
     transpose,
 )
-
-ROUTER_BIAS = ("moe_layers", "moe", "bias")  # our router bias, which softmax routing leaves at zero
 
 
 def config_from_hf(hf: dict, family: str, architecture: str, required: dict, rope_types, **fields) -> ModelConfig:
@@ -80,12 +78,12 @@ def bias_out(bias: np.ndarray, config: ModelConfig) -> np.ndarray:
     return bias.reshape(-1)
 
 
-def attention(config: ModelConfig, stack: str, slices) -> list[Tensor]:
-    """The norms and grouped-query attention of the layers `slices` puts in our stack `stack`: q/k/v biases when
-    qkv_bias, q/k norms when qk_norm."""
-    layer, attn = "model.layers.{layer}.", "model.layers.{layer}.self_attn."
-    ours = (stack, "attn")
-    table = [Tensor(layer + "input_layernorm.weight", (stack, "attn_norm", "scale"), slices=slices)]
+def attention(config: ModelConfig, block: Placement) -> list[Tensor]:
+    """The norms and grouped-query attention of the layers in our stacked `block`: q/k/v biases when qkv_bias, q/k
+    norms when qk_norm."""
+    layer, attn, slices = "model.layers.{layer}.", "model.layers.{layer}.self_attn.", block.slices
+    ours = (*block.path, "attn")
+    table = [Tensor(layer + "input_layernorm.weight", (*block.path, "attn_norm", "scale"), slices=slices)]
     table += [Tensor(attn + f"{p}_proj.weight", (*ours, p), heads_in, heads_in_to_hf, slices) for p in "qkv"]
     if config.qkv_bias:
         table += [
@@ -96,40 +94,46 @@ def attention(config: ModelConfig, stack: str, slices) -> list[Tensor]:
     return [
         *table,
         Tensor(attn + "o_proj.weight", (*ours, "o"), heads_out, heads_out_to_hf, slices),
-        Tensor(layer + "post_attention_layernorm.weight", (stack, "mlp_norm", "scale"), slices=slices),
+        Tensor(layer + "post_attention_layernorm.weight", (*block.path, "mlp_norm", "scale"), slices=slices),
     ]
 
 
-def mlp(stack: str, slices) -> list[Tensor]:
-    """The dense SwiGLU (mlp.{gate,up,down}_proj) of the layers `slices` puts in our stack `stack`."""
+def mlp(block: Placement) -> list[Tensor]:
+    """The dense SwiGLU (mlp.{gate,up,down}_proj) of the layers in our stacked `block`."""
+    slices, ours = block.slices, (*block.path, "mlp")
     return [
-        Tensor("model.layers.{layer}." + f"mlp.{p}_proj.weight", (stack, "mlp", p), transpose, transpose, slices)
+        Tensor("model.layers.{layer}." + f"mlp.{p}_proj.weight", (*ours, p), transpose, transpose, slices)
         for p in ("gate", "up", "down")
     ]
 
 
-def experts(module: str, names: dict[str, str]) -> list[Tensor]:
+def experts(module: str, names: dict[str, str], block: Placement) -> list[Tensor]:
     """The router (`module`.gate.weight) and routed experts (`module`.experts.{e}.<names[p]>.weight for our p in
-    gate / up / down) of the MoE layers."""
-    prefix = "model.layers.{layer}." + module + "."
+    gate / up / down) of the MoE layers in our stacked `block`."""
+    prefix, moe = "model.layers.{layer}." + module + ".", (*block.path, "moe")
     return [
-        Tensor(prefix + "gate.weight", ("moe_layers", "moe", "router"), transpose, transpose, moe_layers),
+        Tensor(prefix + "gate.weight", (*moe, "router"), transpose, transpose, block.slices),
         *(
             Tensor(
                 prefix + "experts.{expert}." + f"{names[p]}.weight",
-                ("moe_layers", "moe", f"experts_{p}"),
+                (*moe, f"experts_{p}"),
                 transpose,
                 transpose,
-                moe_experts,
+                block.expert_slices,
             )
             for p in ("gate", "up", "down")
         ),
     ]
 
 
+def layers(config: ModelConfig, stack: str, feed_forward) -> list[Tensor]:
+    """Attention and `feed_forward(block) -> [Tensor]` of every stacked block of our `stack` (spec.STACKS)."""
+    return [tensor for block in placements(config, stack) for tensor in attention(config, block) + feed_forward(block)]
+
+
 def router_bias(config: ModelConfig) -> tuple[tuple[str, ...], ...]:
-    """Our router bias, which softmax-routed checkpoints do not hold (when there are MoE layers)."""
-    return (ROUTER_BIAS,) if config.num_moe_layers else ()
+    """Our router bias (which softmax routing leaves at zero and the checkpoints do not hold) in each MoE block."""
+    return tuple((*block.path, "moe", "bias") for block in placements(config, "moe_layers"))
 
 
 def checkpoint(config: ModelConfig, layers: list[Tensor]) -> list[Tensor]:

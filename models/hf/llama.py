@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.hf import gqa
-from models.hf.spec import Family, Tensor, check_fields, per_layer
+from models.hf.spec import Family, Tensor, check_fields
+from models.hf.window import no_window
 
 ARCHITECTURE = "LlamaForCausalLM"
 ROPE_TYPES = ("default", "llama3")
@@ -25,12 +26,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
 def config_to_hf(config: ModelConfig) -> dict:
     """ModelConfig -> config.json of a LlamaForCausalLM."""
     check_fields(config, FIELDS, ARCHITECTURE)
+    no_window(config, ARCHITECTURE)
     return {**gqa.config_to_hf(config, ARCHITECTURE, "llama", ROPE_TYPES), **REQUIRED}
 
 
 def tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a LlamaForCausalLM checkpoint; lm_head.weight only when embeddings are untied."""
-    return gqa.checkpoint(config, gqa.attention(config, "layers", per_layer) + gqa.mlp("layers", per_layer))
+    return gqa.checkpoint(config, gqa.layers(config, "layers", gqa.mlp))
 
 
 FAMILY = Family(ARCHITECTURE, "llama", config_from_hf, config_to_hf, tensors)

@@ -1,5 +1,5 @@
 """Hugging Face `MistralForCausalLM` and `MixtralForCausalLM` <-> our `mistral` and `mixtral` families, in
-models/hf/gqa.py's layout, without a sliding window (a config.json with one is refused until the model has it).
+models/hf/gqa.py's layout; `sliding_window` (None: full attention) windows every layer (models/hf/window.py).
 
 Mixtral's every layer is a mixture of `num_local_experts` experts of size intermediate_size (Hugging Face w1 / w3 /
 w2 = our gate / up / down), routed by a softmax top-k with the chosen weights renormalised. router_jitter_noise and
@@ -8,17 +8,19 @@ router_aux_loss_coef (transformers' training settings) are not applied.
 
 from __future__ import annotations
 
+import functools
+
 from models.config import ModelConfig
 from models.hf import gqa
-from models.hf.spec import Family, Tensor, check_fields, moe_layers, per_layer
-from models.hf.window import check_no_window
+from models.hf.spec import Family, Tensor, check_fields
+from models.hf.window import every_layer_window, window_from_hf
 
 MISTRAL, MIXTRAL = "MistralForCausalLM", "MixtralForCausalLM"
 ROPE_TYPES = ("default", "yarn")
 # config.json keys whose other values our model cannot represent -> the value it needs (written on export)
 REQUIRED = {"hidden_act": "silu"}
-# the config classes' values for the keys a config.json may leave out (MistralConfig's sliding_window: 4096)
-DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+# the config classes' values for the keys a config.json may leave out
+DEFAULTS = {"rms_norm_eps": 1e-6, "tie_word_embeddings": False, "sliding_window": 4096}
 MIXTRAL_DEFAULTS = {
     "rms_norm_eps": 1e-5,
     "tie_word_embeddings": False,
@@ -42,17 +44,16 @@ MIXTRAL_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}  # our expert matrix 
 
 
 def mistral_config_from_hf(hf: dict) -> ModelConfig:
-    """config.json of a MistralForCausalLM without a sliding window -> ModelConfig (runtime fields left at their
-    defaults)."""
-    check_no_window(hf, MISTRAL, default_window=4096)
-    return gqa.config_from_hf({**DEFAULTS, **hf}, "mistral", MISTRAL, REQUIRED, ROPE_TYPES)
+    """config.json of a MistralForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
+    hf = {**DEFAULTS, **hf}
+    window = window_from_hf(hf, list(range(hf["num_hidden_layers"])))
+    return gqa.config_from_hf(hf, "mistral", MISTRAL, REQUIRED, ROPE_TYPES, **window)
 
 
 def mixtral_config_from_hf(hf: dict) -> ModelConfig:
-    """config.json of a MixtralForCausalLM without a sliding window -> ModelConfig with a softmax router and a
-    frozen (zero) router bias (runtime fields left at their defaults)."""
+    """config.json of a MixtralForCausalLM -> ModelConfig with a softmax router and a frozen (zero) router bias
+    (runtime fields left at their defaults)."""
     hf = {**MIXTRAL_DEFAULTS, **hf}
-    check_no_window(hf, MIXTRAL, default_window=None)
     return gqa.config_from_hf(
         hf,
         "mixtral",
@@ -64,23 +65,26 @@ def mixtral_config_from_hf(hf: dict) -> ModelConfig:
         moe_mlp_dim=hf["intermediate_size"],
         router_score="softmax",
         router_bias_rate=0.0,
+        **window_from_hf(hf, list(range(hf["num_hidden_layers"]))),
     )
 
 
 def mistral_config_to_hf(config: ModelConfig) -> dict:
-    """ModelConfig -> config.json of a MistralForCausalLM with full attention."""
+    """ModelConfig (a window in every layer or none) -> config.json of a MistralForCausalLM."""
     check_fields(config, FIELDS, MISTRAL)
-    return {**gqa.config_to_hf(config, MISTRAL, "mistral", ROPE_TYPES), **REQUIRED, "sliding_window": None}
+    window = every_layer_window(config, MISTRAL)
+    return {**gqa.config_to_hf(config, MISTRAL, "mistral", ROPE_TYPES), **REQUIRED, "sliding_window": window}
 
 
 def mixtral_config_to_hf(config: ModelConfig) -> dict:
-    """ModelConfig of MoE layers only, routed by a renormalised softmax top-k -> config.json of a
-    MixtralForCausalLM with full attention (intermediate_size: the experts' moe_mlp_dim)."""
+    """ModelConfig of MoE layers only, routed by a renormalised softmax top-k, a window in every layer or none ->
+    config.json of a MixtralForCausalLM (intermediate_size: the experts' moe_mlp_dim)."""
     check_fields(config, MIXTRAL_FIELDS, MIXTRAL)
+    window = every_layer_window(config, MIXTRAL)
     return {
         **gqa.config_to_hf(config, MIXTRAL, "mixtral", ROPE_TYPES),
         **REQUIRED,
-        "sliding_window": None,
+        "sliding_window": window,
         "intermediate_size": config.moe_mlp_dim,
         "num_local_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,
@@ -89,15 +93,14 @@ def mixtral_config_to_hf(config: ModelConfig) -> dict:
 
 def mistral_tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a MistralForCausalLM checkpoint; lm_head.weight only when embeddings are untied."""
-    return gqa.checkpoint(config, gqa.attention(config, "layers", per_layer) + gqa.mlp("layers", per_layer))
+    return gqa.checkpoint(config, gqa.layers(config, "layers", gqa.mlp))
 
 
 def mixtral_tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a MixtralForCausalLM checkpoint: attention, router (block_sparse_moe.gate) and experts
     (block_sparse_moe.experts.{e}.w1 / w3 / w2) of each layer."""
-    return gqa.checkpoint(
-        config, gqa.attention(config, "moe_layers", moe_layers) + gqa.experts("block_sparse_moe", MIXTRAL_EXPERTS)
-    )
+    experts = functools.partial(gqa.experts, "block_sparse_moe", MIXTRAL_EXPERTS)
+    return gqa.checkpoint(config, gqa.layers(config, "moe_layers", experts))
 
 
 MISTRAL_FAMILY = Family(MISTRAL, "mistral", mistral_config_from_hf, mistral_config_to_hf, mistral_tensors)

@@ -4,16 +4,18 @@
 Qwen2 has q/k/v biases (qkv_bias), Qwen3 and Qwen3-MoE per-head q/k norms (qk_norm). Qwen3-MoE's MoE layers route
 with a softmax top-k over `num_experts` experts (weights renormalised if norm_topk_prob), without a shared expert;
 layer i is dense when it is in mlp_only_layers or i + 1 is no multiple of decoder_sparse_step, which our model holds
-when the dense layers come first (first_dense_layers); other layouts are refused. So is sliding-window attention
-(use_sliding_window). router_aux_loss_coef (transformers' training loss) is not applied.
+when the dense layers come first (first_dense_layers); other layouts are refused. Sliding windows (use_sliding_window)
+as models/hf/window.py reads them. router_aux_loss_coef (transformers' training loss) is not applied.
 """
 
 from __future__ import annotations
 
+import functools
+
 from models.config import ModelConfig
 from models.hf import gqa
-from models.hf.spec import Family, Tensor, check_fields, dense_layers, moe_layers, per_layer
-from models.hf.window import check_no_switched_window
+from models.hf.spec import Family, Tensor, check_fields
+from models.hf.window import every_layer_window, switched_window_to_hf, switched_windowed_layers, window_from_hf
 
 QWEN2, QWEN3, QWEN3_MOE = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
 ROPE_TYPES = ("default", "yarn")
@@ -44,29 +46,20 @@ QWEN3_MOE_FIELDS = {
     "n_group": 1,
     "routed_scaling_factor": 1.0,
 }
-FULL_ATTENTION = {"use_sliding_window": False, "sliding_window": None}  # written on export
-
-
-def windowed_layers(hf: dict) -> list[int]:
-    """Layers Qwen2 / Qwen3 give a sliding window when use_sliding_window is on: those layer_types calls
-    sliding_attention, else those from max_window_layers on."""
-    if hf.get("layer_types"):
-        return [i for i, kind in enumerate(hf["layer_types"]) if kind == "sliding_attention"]
-    return list(range(hf["max_window_layers"], hf["num_hidden_layers"]))
 
 
 def qwen2_config_from_hf(hf: dict) -> ModelConfig:
     """config.json of a Qwen2ForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
     hf = {**DEFAULTS, **hf}
-    check_no_switched_window(hf, QWEN2, windowed_layers(hf))
-    return gqa.config_from_hf(hf, "qwen2", QWEN2, REQUIRED, ROPE_TYPES, **QWEN2_FIELDS)
+    window = window_from_hf(hf, switched_windowed_layers(hf))
+    return gqa.config_from_hf(hf, "qwen2", QWEN2, REQUIRED, ROPE_TYPES, **QWEN2_FIELDS, **window)
 
 
 def qwen3_config_from_hf(hf: dict) -> ModelConfig:
     """config.json of a Qwen3ForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
     hf = {**QWEN3_DEFAULTS, **hf}
-    check_no_switched_window(hf, QWEN3, windowed_layers(hf))
-    return gqa.config_from_hf(hf, "qwen3", QWEN3, QWEN3_REQUIRED, ROPE_TYPES, **QWEN3_FIELDS)
+    window = window_from_hf(hf, switched_windowed_layers(hf))
+    return gqa.config_from_hf(hf, "qwen3", QWEN3, QWEN3_REQUIRED, ROPE_TYPES, **QWEN3_FIELDS, **window)
 
 
 def first_dense_layers(hf: dict) -> int:
@@ -89,7 +82,7 @@ def qwen3_moe_config_from_hf(hf: dict) -> ModelConfig:
     hf = {**QWEN3_MOE_DEFAULTS, **hf}
     if "num_local_experts" in hf:
         hf["num_experts"] = hf["num_local_experts"]
-    check_no_switched_window(hf, QWEN3_MOE, list(range(hf["num_hidden_layers"])))
+    windowed = list(range(hf["num_hidden_layers"])) if hf.get("use_sliding_window") else []
     return gqa.config_from_hf(
         hf,
         "qwen3_moe",
@@ -104,29 +97,36 @@ def qwen3_moe_config_from_hf(hf: dict) -> ModelConfig:
         norm_topk_prob=bool(hf["norm_topk_prob"]),
         router_score="softmax",
         router_bias_rate=0.0,
+        **window_from_hf(hf, windowed),
     )
 
 
 def qwen2_config_to_hf(config: ModelConfig) -> dict:
     """ModelConfig with q/k/v biases -> config.json of a Qwen2ForCausalLM."""
     check_fields(config, QWEN2_FIELDS, QWEN2)
-    return {**gqa.config_to_hf(config, QWEN2, "qwen2", ROPE_TYPES), **REQUIRED, **FULL_ATTENTION}
+    return {**gqa.config_to_hf(config, QWEN2, "qwen2", ROPE_TYPES), **REQUIRED, **switched_window_to_hf(config)}
 
 
 def qwen3_config_to_hf(config: ModelConfig) -> dict:
     """ModelConfig with q/k norms -> config.json of a Qwen3ForCausalLM."""
     check_fields(config, QWEN3_FIELDS, QWEN3)
-    return {**gqa.config_to_hf(config, QWEN3, "qwen3", ROPE_TYPES), **QWEN3_REQUIRED, **FULL_ATTENTION}
+    return {
+        **gqa.config_to_hf(config, QWEN3, "qwen3", ROPE_TYPES),
+        **QWEN3_REQUIRED,
+        **switched_window_to_hf(config),
+    }
 
 
 def qwen3_moe_config_to_hf(config: ModelConfig) -> dict:
     """ModelConfig with q/k norms and a softmax router without shared experts -> config.json of a
-    Qwen3MoeForCausalLM (its dense layers first: mlp_only_layers)."""
+    Qwen3MoeForCausalLM (its dense layers first: mlp_only_layers; a window in every layer or none)."""
     check_fields(config, QWEN3_MOE_FIELDS, QWEN3_MOE)
+    window = every_layer_window(config, QWEN3_MOE)
     return {
         **gqa.config_to_hf(config, QWEN3_MOE, "qwen3_moe", ROPE_TYPES),
         **QWEN3_REQUIRED,
-        **FULL_ATTENTION,
+        "use_sliding_window": window is not None,
+        "sliding_window": window,
         "num_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,
         "moe_intermediate_size": config.moe_mlp_dim,
@@ -138,19 +138,16 @@ def qwen3_moe_config_to_hf(config: ModelConfig) -> dict:
 
 def dense_tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a Qwen2ForCausalLM / Qwen3ForCausalLM checkpoint (biases or q/k norms as the fields say)."""
-    return gqa.checkpoint(config, gqa.attention(config, "layers", per_layer) + gqa.mlp("layers", per_layer))
+    return gqa.checkpoint(config, gqa.layers(config, "layers", gqa.mlp))
 
 
 def qwen3_moe_tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a Qwen3MoeForCausalLM checkpoint: dense layers' MLPs, MoE layers' router and experts
     (mlp.experts.{e}.{gate,up,down}_proj)."""
-    layers = []
-    if config.num_dense_layers:
-        layers += gqa.attention(config, "dense_layers", dense_layers) + gqa.mlp("dense_layers", dense_layers)
-    if config.num_moe_layers:
-        names = {p: f"{p}_proj" for p in ("gate", "up", "down")}
-        layers += gqa.attention(config, "moe_layers", moe_layers) + gqa.experts("mlp", names)
-    return gqa.checkpoint(config, layers)
+    experts = functools.partial(gqa.experts, "mlp", {p: f"{p}_proj" for p in ("gate", "up", "down")})
+    return gqa.checkpoint(
+        config, gqa.layers(config, "dense_layers", gqa.mlp) + gqa.layers(config, "moe_layers", experts)
+    )
 
 
 QWEN2_FAMILY = Family(QWEN2, "qwen2", qwen2_config_from_hf, qwen2_config_to_hf, dense_tensors)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from models.config import ModelConfig
+from models.stack import block_layout
 
 Transform = Callable[[np.ndarray, ModelConfig], np.ndarray]
 Slices = Callable[[ModelConfig], Iterator[tuple[dict, tuple[int, ...]]]]
@@ -51,14 +52,9 @@ def whole(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
     yield {}, ()
 
 
-def per_layer(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
-    """Hugging Face layer i fills slice i of a parameter stacked on a leading layer axis."""
-    for layer in range(config.num_layers):
-        yield {"layer": layer}, (layer,)
-
-
 def dense_layers(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
-    """Hugging Face layer i fills slice i of the dense stack (a decoder with expert blocks, models/mixture.py)."""
+    """Hugging Face layer i fills slice i of the dense stack (a decoder with expert blocks, models/mixture.py, whose
+    layers are alike; `placements` where they may differ)."""
     for layer in range(config.num_dense_layers):
         yield {"layer": layer}, (layer,)
 
@@ -75,6 +71,47 @@ def moe_experts(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
     for fields, (layer,) in moe_layers(config):
         for expert in range(config.num_experts):
             yield dict(fields, expert=expert), (layer, expert)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One stacked block of ours: its `path` in our state and the Hugging Face layer each slice of its leading axis
+    holds."""
+
+    path: tuple[str, ...]
+    layers: tuple[int, ...]
+
+    def slices(self, config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
+        """Hugging Face layer `layers[i]` fills slice i."""
+        del config
+        for index, layer in enumerate(self.layers):
+            yield {"layer": layer}, (index,)
+
+    def expert_slices(self, config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
+        """Expert e of Hugging Face layer `layers[i]` fills slice [i, e] of a stacked expert kernel."""
+        for fields, index in self.slices(config):
+            for expert in range(config.num_experts):
+                yield dict(fields, expert=expert), (*index, expert)
+
+
+# our stacks of blocks -> (their first layer, their layer count)
+STACKS = {
+    "layers": lambda config: (0, config.num_layers),
+    "dense_layers": lambda config: (0, config.num_dense_layers),
+    "moe_layers": lambda config: (config.num_dense_layers, config.num_moe_layers),
+}
+
+
+def placements(config: ModelConfig, stack: str) -> list[Placement]:
+    """Where the Hugging Face layers of our `stack` (a name in STACKS) are: one stacked block of a stack whose layers
+    are alike, or each block of each group of one whose layer kinds differ (models/stack.py's layout)."""
+    first, count = STACKS[stack](config)
+    if not count:
+        return []
+    kinds = config.layer_kinds[first : first + count]
+    return [
+        Placement((stack, *path), tuple(first + index for index in indices)) for path, indices in block_layout(kinds)
+    ]
 
 
 def nothing(config: ModelConfig) -> tuple[tuple[str, ...], ...]:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import models
-from models.config import EXPERT_FAMILIES, ConfigError, check_model
+from models.config import EXPERT_FAMILIES, FULL, SLIDING, ConfigError, check_model
 from models.mixture import MixtureDecoder
 from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import assert_same_step, first_step, initial_state
@@ -29,11 +29,21 @@ FAMILIES = {
     ),
     "mixtral": dataclasses.replace(DENSE, family="mixtral", **EXPERTS),
 }
+# sliding windows of 8 (packed documents of 5 to 30 tokens) in layers that differ, scanned in groups
+WINDOWED = {
+    "qwen3-layer-types": dataclasses.replace(
+        DENSE, family="qwen3", qk_norm=True, num_layers=3, sliding_window=8, layer_types=(SLIDING, FULL, SLIDING)
+    ),
+    "mixtral-layer-types": dataclasses.replace(
+        DENSE, family="mixtral", sliding_window=8, **dict(EXPERTS, num_layers=3), layer_types=(SLIDING, FULL, SLIDING)
+    ),
+}
 # both attention features at once, for tensor parallelism (features are fields, whatever the family)
 BIASED_NORMED = dataclasses.replace(DENSE, family="qwen2", qkv_bias=True, qk_norm=True)
 # capacity factor num_experts / experts_per_token: expert parallelism drops nothing
 RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)
 PLAIN = ParallelConfig(block_q=8, block_kv=8)
+ALL_GATHER = dataclasses.replace(RING, context_strategy="all_gather")
 
 
 def randomised(host_state):
@@ -69,11 +79,18 @@ def references():
     "model, mesh_config, parallel_config",
     [
         *((FAMILIES[name], MeshConfig(fsdp=1, context=8), RING) for name in FAMILIES),
+        *((WINDOWED[name], MeshConfig(fsdp=1, context=8), ALL_GATHER) for name in WINDOWED),
         (FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING),
         (FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING),
         (BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN),
     ],
-    ids=[*(f"{name}-ring8" for name in FAMILIES), "qwen3_moe-expert2-ring4", "mixtral-expert2-ring4", "qkv-tensor4"],
+    ids=[
+        *(f"{name}-ring8" for name in FAMILIES),
+        *(f"{name}-all_gather8" for name in WINDOWED),
+        "qwen3_moe-expert2-ring4",
+        "mixtral-expert2-ring4",
+        "qkv-tensor4",
+    ],
 )
 def test_step_equals_one_device(references, model, mesh_config, parallel_config):
     host_state, reference = references(model)

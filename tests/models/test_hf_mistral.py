@@ -1,7 +1,7 @@
-"""Hugging Face Mistral and Mixtral <-> longctx without a sliding window: logits equal transformers' on tiny random
-models (fp32, max abs diff <= 1e-4) in both directions through shards (Mixtral: softmax top-2 of 8 experts, w1 / w3
-/ w2); the shipped configs are the published config.json files imported; a window is refused in one line; export
-refuses what the architecture cannot hold."""
+"""Hugging Face Mistral and Mixtral <-> longctx: logits equal transformers' on tiny random models (fp32, max abs diff
+<= 1e-4) in both directions through shards, with and without a sliding window shorter than the 24 tokens (Mixtral:
+softmax top-2 of 8 experts, w1 / w3 / w2); the shipped configs are the published config.json files imported; a
+config.json leaving keys out reads as transformers reads it; export refuses what the architecture cannot hold."""
 
 import dataclasses
 import pathlib
@@ -9,7 +9,7 @@ import pathlib
 import pytest
 from transformers import MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from models.config import ModelConfig
+from models.config import FULL, SLIDING, ModelConfig
 from models.hf.families import for_export
 from models.hf.mistral import mistral_config_from_hf, mixtral_config_from_hf
 from tests.models.hf_reference import assert_case_round_trips
@@ -34,6 +34,18 @@ CASES = {  # name -> (config class, model class, fields, ModelConfig fields expe
         MixtralForCausalLM,
         dict(num_hidden_layers=2, num_local_experts=8, num_experts_per_tok=2),
         dict(family="mixtral", num_experts=8, experts_per_token=2, moe_mlp_dim=96, first_dense_layers=0),
+    ),
+    "mistral-window": (
+        MistralConfig,
+        MistralForCausalLM,
+        dict(num_hidden_layers=2, sliding_window=5),
+        dict(family="mistral", sliding_window=5, layer_types=()),
+    ),
+    "mixtral-window": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=6),
+        dict(family="mixtral", sliding_window=6, layer_types=()),
     ),
 }
 # the published config.json files of the shipped configs, less the keys no model reads
@@ -77,30 +89,16 @@ def test_shipped_config_is_the_checkpoints(name, hf, from_hf):
     assert shipped == dataclasses.replace(from_hf(hf), max_position_embeddings=32768)
 
 
-@pytest.mark.parametrize(
-    "hf, from_hf, message",
-    [
-        (
-            dict(MISTRAL_7B, sliding_window=4096),
-            mistral_config_from_hf,
-            r"MistralForCausalLM: config.json has sliding_window=4096; sliding-window attention is not supported yet",
-        ),
-        (
-            {key: value for key, value in MISTRAL_7B.items() if key != "sliding_window"},
-            mistral_config_from_hf,
-            r"leaves sliding_window out, which transformers reads as 4096; sliding-window attention is not supported",
-        ),
-        (
-            dict(MIXTRAL_8X7B, sliding_window=4096),
-            mixtral_config_from_hf,
-            r"MixtralForCausalLM: config.json has sliding_window=4096; sliding-window attention is not supported yet",
-        ),
-        (dict(MIXTRAL_8X7B, hidden_act="gelu"), mixtral_config_from_hf, "hidden_act='gelu'; only hidden_act='silu'"),
-    ],
-)
-def test_a_sliding_window_or_another_activation_is_refused(hf, from_hf, message):
-    with pytest.raises(ValueError, match=message) as info:
-        from_hf(hf)
+def test_mistral_config_json_leaving_the_window_out_reads_as_transformers_does():
+    """MistralConfig's sliding_window: 4096 in every layer."""
+    left_out = {key: value for key, value in MISTRAL_7B.items() if key != "sliding_window"}
+    assert mistral_config_from_hf(left_out) == mistral_config_from_hf(dict(MISTRAL_7B, sliding_window=4096))
+    assert (mistral_config_from_hf(left_out).sliding_window, mistral_config_from_hf(left_out).layer_types) == (4096, ())
+
+
+def test_another_activation_is_refused():
+    with pytest.raises(ValueError, match="hidden_act='gelu'; only hidden_act='silu'") as info:
+        mixtral_config_from_hf(dict(MIXTRAL_8X7B, hidden_act="gelu"))
     assert "\n" not in str(info.value)
 
 
@@ -129,6 +127,15 @@ def test_mixtral_config_json_leaving_keys_out_reads_as_transformers_does():
         (
             ModelConfig(family="qwen2"),
             "Qwen2ForCausalLM cannot hold model.qkv_bias=False; it needs model.qkv_bias=True",
+        ),
+        (
+            ModelConfig(family="llama", sliding_window=8),
+            "LlamaForCausalLM cannot hold model.sliding_window=8: it has no sliding windows",
+        ),
+        (
+            ModelConfig(family="mistral", num_layers=2, sliding_window=8, layer_types=(FULL, SLIDING)),
+            r"MistralForCausalLM cannot hold model.layer_types=\['full_attention', 'sliding_attention'\]: it slides "
+            r"every layer or none",
         ),
     ],
 )

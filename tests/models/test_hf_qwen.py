@@ -1,8 +1,9 @@
 """Hugging Face Qwen2, Qwen3 and Qwen3-MoE <-> longctx: logits equal transformers' on tiny random models (fp32, max
 abs diff <= 1e-4) in both directions through shards, with q/k/v biases (Qwen2), q/k norms and a head_dim apart from
-hidden / heads (Qwen3), dense layers first then softmax-routed experts with and without renormalisation (Qwen3-MoE);
-the shipped configs are the published config.json files imported; what the models cannot hold is refused in one
-line naming the key."""
+hidden / heads (Qwen3), dense layers first then softmax-routed experts with and without renormalisation (Qwen3-MoE),
+and sliding windows shorter than the 24 tokens (from max_window_layers, alternating layer_types scanned in groups,
+every MoE layer); the shipped configs are the published config.json files imported; windows read as transformers
+reads them; what the models cannot hold is refused in one line naming the key."""
 
 import dataclasses
 import pathlib
@@ -17,6 +18,7 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from models.config import FULL, SLIDING
 from models.hf.qwen import qwen2_config_from_hf, qwen3_config_from_hf, qwen3_moe_config_from_hf
 from tests.models.hf_reference import assert_case_round_trips
 from train.config import load_config
@@ -54,6 +56,34 @@ CASES = {  # name -> (config class, model class, fields, ModelConfig fields expe
         Qwen3MoeForCausalLM,
         dict(num_hidden_layers=2, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False),
         dict(family="qwen3_moe", first_dense_layers=0, experts_per_token=3, norm_topk_prob=False),
+    ),
+    "qwen2-window-from-max-window-layers": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(num_hidden_layers=3, use_sliding_window=True, sliding_window=5, max_window_layers=1),
+        dict(sliding_window=5, layer_types=(FULL, SLIDING, SLIDING)),
+    ),
+    "qwen3-alternating-layer-types": (
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        dict(
+            num_hidden_layers=5, use_sliding_window=True, sliding_window=4, layer_types=[SLIDING, FULL] * 2 + [SLIDING]
+        ),
+        dict(sliding_window=4, layer_types=(SLIDING, FULL) * 2 + (SLIDING,)),
+    ),
+    "qwen3-moe-window": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            num_hidden_layers=2,
+            mlp_only_layers=[0],
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            use_sliding_window=True,
+            sliding_window=6,
+        ),
+        dict(sliding_window=6, layer_types=(), first_dense_layers=1),
     ),
 }
 # the published config.json files of the shipped configs, less the keys no model reads
@@ -136,21 +166,35 @@ def test_a_sliding_window_switched_on_for_no_layer_imports():
 
 
 @pytest.mark.parametrize(
-    "hf, changes, from_hf, message",
+    "hf, changes, from_hf, window, layer_types",
     [
         (
             QWEN25_7B,
             dict(use_sliding_window=True, max_window_layers=20),
             qwen2_config_from_hf,
-            r"Qwen2ForCausalLM: config.json has use_sliding_window=True \(a window of 131072 in 8 of 28 layers\); "
-            r"sliding-window attention is not supported yet",
+            131072,
+            (FULL,) * 20 + (SLIDING,) * 8,
         ),
+        (QWEN3_8B, dict(sliding_window=4096, layer_types=[SLIDING] * 36), qwen3_config_from_hf, 0, ()),
         (
             QWEN3_8B,
-            dict(use_sliding_window=True, sliding_window=4096, layer_types=["sliding_attention"] * 36),
+            dict(use_sliding_window=True, sliding_window=4096, layer_types=[SLIDING] * 36),
             qwen3_config_from_hf,
-            r"a window of 4096 in 36 of 36 layers",
+            4096,
+            (),
         ),
+        (QWEN3_30B_A3B, dict(use_sliding_window=True, sliding_window=4096), qwen3_moe_config_from_hf, 4096, ()),
+    ],
+)
+def test_windows_read_as_transformers_reads_them(hf, changes, from_hf, window, layer_types):
+    """use_sliding_window switches windows on; the windowed layers are every one (sliding_window alone) or some."""
+    config = from_hf(dict(hf, **changes))
+    assert (config.sliding_window, config.layer_types) == (window, layer_types)
+
+
+@pytest.mark.parametrize(
+    "hf, changes, from_hf, message",
+    [
         (QWEN3_8B, dict(attention_bias=True), qwen3_config_from_hf, "attention_bias=True; only attention_bias=False"),
         (QWEN3_8B, dict(hidden_act="gelu"), qwen3_config_from_hf, "hidden_act='gelu'; only hidden_act='silu'"),
         (
@@ -170,12 +214,6 @@ def test_a_sliding_window_switched_on_for_no_layer_imports():
             dict(decoder_sparse_step=2),
             qwen3_moe_config_from_hf,
             r"decoder_sparse_step=2, which makes layers \[0, 2, 4, ",
-        ),
-        (
-            QWEN3_30B_A3B,
-            dict(use_sliding_window=True, sliding_window=4096),
-            qwen3_moe_config_from_hf,
-            "a window of 4096 in 48 of 48 layers",
         ),
     ],
 )

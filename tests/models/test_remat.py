@@ -1,5 +1,7 @@
-"""Remat policies keep what they say: full only the block's inputs, save_projections the named projections."""
+"""Remat policies keep what they say: full only the block's inputs, save_projections the named projections; a group
+of blocks (a scan step of layers that differ) applies the policy to each of its blocks."""
 
+import dataclasses
 import re
 
 import jax
@@ -9,7 +11,9 @@ from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
 from models import deepseek, llama
+from models.config import FULL, SLIDING
 from models.remat import PROJECTIONS, remat
+from models.stack import Group
 from tests.tiny_models import TINY_LLAMA, TINY_MLA
 
 LLAMA = TINY_LLAMA
@@ -26,12 +30,16 @@ ATTENTION = {
 
 def saved(make_block, policy: str, capsys) -> list[str]:
     """What the backward pass of `make_block()` under `policy` keeps for x [1, 16, 32], one entry per residual:
-    its checkpoint name, 'argument' (an input or a constant), or the printed line of anything else."""
-    graphdef, params = nnx.split(nnx.eval_shape(make_block))  # traced only: nothing is initialised or run
+    its checkpoint name, 'argument' (an input or a constant), or the printed line of anything else. A Group applies
+    the policy itself."""
+    module = nnx.eval_shape(make_block)  # traced only: nothing is initialised or run
+    graphdef, params = nnx.split(module)
     x = jax.ShapeDtypeStruct((1, 16, 32), jnp.float32)
     positions, segments = jnp.arange(16)[None], jnp.ones((1, 16), jnp.int32)
 
     def loss(params, x):
+        if isinstance(module, Group):
+            return nnx.merge(graphdef, params)(x, positions, segments, remat_policy=policy)[0].sum()
         return remat(lambda h, p: nnx.merge(graphdef, p)(h, positions, segments)[0], policy)(x, params).sum()
 
     capsys.readouterr()
@@ -64,3 +72,12 @@ def test_save_projections_keeps_the_named_projections(family, capsys):
 def test_none_keeps_more_than_save_projections(capsys):
     counts = {policy: len(saved(BLOCKS["llama"], policy, capsys)) for policy in ("save_projections", "none")}
     assert counts["save_projections"] < counts["none"], counts
+
+
+def test_a_group_applies_the_policy_to_each_block(capsys):
+    config = dataclasses.replace(LLAMA, sliding_window=4)
+    group = lambda: Group(lambda kind, r: llama.Block(config, kind, rngs=r), (SLIDING, FULL), nnx.Rngs(0))
+    full = [entry for entry in saved(group, "full", capsys) if entry != "argument"]
+    assert len(full) == 1 and "output of add" in full[0], full  # the second block's input
+    kept = [entry for entry in saved(group, "save_projections", capsys) if entry in PROJECTIONS]
+    assert sorted(kept) == sorted(2 * [*ATTENTION["llama"], "mlp_gate", "mlp_up"]), kept

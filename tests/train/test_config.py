@@ -212,6 +212,13 @@ def test_llama_configs_have_expected_fields():
         (["checkpoint.init_from=/does/not/exist"], ["checkpoint.init_from", "/does/not/exist", "does not exist"]),
         (["train.steps"], ["train.steps", "section.key=value"]),
         (["data.eval_fraction=0"], ["data.eval_fraction=0", "train.eval_batches=4", "must be 0"]),
+        (["model.sliding_window=-1"], ["model.sliding_window=-1", ">= 0"]),
+        (["model.layer_types=[full_attention]"], ["model.layer_types has 1 entries", "model.num_layers=4"]),
+        (["model.num_layers=2", "model.layer_types=[full_attention, local]"], ["model.layer_types", "'local'"]),
+        (
+            ["model.num_layers=2", "model.layer_types=[full_attention, sliding_attention]"],
+            ["sliding_attention", "model.sliding_window=0"],
+        ),
     ],
 )
 def test_validation_errors_name_key_value_and_allowed(overrides, words):
