@@ -13,24 +13,27 @@ _output_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_norma
 
 
 class Embed(nnx.Module):
-    """Token lookup in `embedding`: [vocab, embed], initialised normal with standard deviation 0.02."""
+    """Token lookup in `embedding`: [vocab, embed], initialised normal with standard deviation 0.02, times `scale` in
+    `dtype` (Gemma: sqrt(embed))."""
 
     def __init__(
         self,
         vocab_size: int,
         embed_dim: int,
         *,
+        scale: float = 1.0,
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.dtype = dtype
+        self.dtype, self.scale = dtype, scale
         init = nnx.initializers.normal(stddev=0.02)
         self.embedding = logical_param(init(rngs.params(), (vocab_size, embed_dim), param_dtype), ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens: [batch, length] int -> [batch, length, embed] in `dtype`."""
-        return jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        embedded = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        return embedded if self.scale == 1.0 else embedded * jnp.asarray(self.scale, self.dtype)
 
     def as_output_kernel(self) -> jax.Array:
         """Tied output matrix: the transposed table, [embed, vocab] in `param_dtype`."""

@@ -1,4 +1,4 @@
-"""SwiGLU feed-forward block (Llama / DeepSeek dense MLP)."""
+"""Gated feed-forward block: SwiGLU (Llama / DeepSeek dense MLP), or GeGLU with gelu-tanh (Gemma)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,25 @@ from layers.params import logical_param
 # Truncated normal (within two standard deviations) rescaled to a standard deviation of exactly
 # 1 / sqrt(fan_in); fan_in is the first kernel axis.
 _kernel_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+# the gate's activation by name: silu (SwiGLU), gelu_tanh (Hugging Face's gelu_pytorch_tanh)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
 
 
 class SwiGLU(nnx.Module):
-    """down(silu(x @ gate) * (x @ up)); gate, up: [embed, mlp], down: [mlp, embed]."""
+    """down(act(x @ gate) * (x @ up)), act ACTIVATIONS[activation] (silu); gate, up: [embed, mlp], down: [mlp,
+    embed]."""
 
     def __init__(
         self,
         embed_dim: int,
         mlp_dim: int,
         *,
+        activation: str = "silu",
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
-        self.dtype = dtype
+        self.dtype, self.activation = dtype, ACTIVATIONS[activation]
         self.gate = logical_param(_kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp"))
         self.up = logical_param(_kernel_init(rngs.params(), (embed_dim, mlp_dim), param_dtype), ("embed", "mlp"))
         self.down = logical_param(_kernel_init(rngs.params(), (mlp_dim, embed_dim), param_dtype), ("mlp", "embed"))
@@ -38,5 +42,7 @@ class SwiGLU(nnx.Module):
         tokens = parallel.gather(x.astype(self.dtype))
         gate = checkpoint_name(tokens.project("bte,ef->btf", self.gate[...].astype(self.dtype), "f"), "mlp_gate")
         up = checkpoint_name(tokens.project("bte,ef->btf", self.up[...].astype(self.dtype), "f"), "mlp_up")
-        down = parallel.project_scatter("btf,fe->bte", jax.nn.silu(gate) * up, self.down[...].astype(self.dtype), "f")
+        down = parallel.project_scatter(
+            "btf,fe->bte", self.activation(gate) * up, self.down[...].astype(self.dtype), "f"
+        )
         return checkpoint_name(down, "mlp_down")

@@ -1,8 +1,8 @@
 """Rotary position embeddings with Hugging Face `transformers` semantics.
 
-Frequencies follow `_compute_default_rope_parameters`, `_compute_llama3_parameters` and
-`_compute_yarn_parameters` of `transformers.modeling_rope_utils`; they are derived in float64 and
-returned as float32. Rotation angles are always computed in float32.
+Frequencies follow `_compute_default_rope_parameters`, `_compute_linear_scaling_rope_parameters`,
+`_compute_llama3_parameters` and `_compute_yarn_parameters` of `transformers.modeling_rope_utils`; they are derived
+in float64 and returned as float32. Rotation angles are always computed in float32.
 
 Differences from Hugging Face, by design: yarn always truncates the correction range (Hugging Face's
 `truncate`, default true) and an explicit `attention_factor` override is not supported. Like Hugging
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SCALINGS = ("none", "llama3", "yarn")
+SCALINGS = ("none", "llama3", "yarn", "linear")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class RopeScalingConfig:
     """Rotary-embedding context extension; `type` one of SCALINGS (fields as in Hugging Face)."""
 
     type: str = "none"
-    factor: float = 1.0
+    factor: float = 1.0  # linear: positions divided by it (Gemma 3's global layers)
     original_max_position_embeddings: int = 8192
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
@@ -111,7 +111,7 @@ def inverse_frequencies(
 ) -> tuple[np.ndarray, float]:
     """Rotary frequencies for `head_dim` rotated dims -> (inv_freq float32 [head_dim // 2], attention_factor).
 
-    `scaling.type` is "none", "llama3" or "yarn"; `scaling` None means "none".
+    `scaling.type` is one of SCALINGS; `scaling` None means "none".
     """
     if head_dim % 2:
         raise ValueError(f"rotary head_dim must be even, got {head_dim}")
@@ -122,6 +122,8 @@ def inverse_frequencies(
         inv_freq, attention_factor = _llama3(_plain_inverse_frequencies(head_dim, theta), scaling), 1.0
     elif kind == "yarn":
         inv_freq, attention_factor = _yarn(head_dim, theta, scaling)
+    elif kind == "linear":
+        inv_freq, attention_factor = _plain_inverse_frequencies(head_dim, theta) / scaling.factor, 1.0
     else:
         raise ValueError(f"rope scaling type {kind!r} is not one of {', '.join(SCALINGS)}")
     return inv_freq.astype(np.float32), attention_factor

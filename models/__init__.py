@@ -6,6 +6,7 @@ from flax import nnx
 
 from models.config import ComputeConfig, ModelConfig
 from models.deepseek import DeepSeek
+from models.gemma3 import Gemma3
 from models.llama import Llama
 from models.mixtral import Mixtral
 
@@ -18,6 +19,7 @@ REGISTRY = {
     "deepseek": DeepSeek,
     "qwen3_moe": Mixtral,
     "mixtral": Mixtral,
+    "gemma3": Gemma3,
 }
 
 

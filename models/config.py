@@ -48,6 +48,8 @@ class ModelConfig:
     sliding_window: int = 0
     # layer_types: each layer's attention (LAYER_TYPES); () = every layer sliding when sliding_window > 0, else full
     layer_types: tuple[str, ...] = ()
+    local_rope_theta: float = 0.0  # rope_local_base_freq (Gemma 3): sliding layers' unscaled rope; 0 = as full ones
+    query_pre_attn_scalar: int = 0  # query_pre_attn_scalar (Gemma): softmax scale its ** -0.5; 0 = head_dim's
     # Multi-head latent attention (deepseek; Hugging Face names in comments)
     q_lora_rank: int = 0  # q_lora_rank; 0 = full-rank query projection
     kv_lora_rank: int = 0  # kv_lora_rank
@@ -112,7 +114,7 @@ def check_model(m: ModelConfig) -> None:
     """Ranges and relations between the architecture's fields (choices are checked with the run config)."""
     for key in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim"):
         require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)!r} must be > 0")
-    for key in ("max_position_embeddings", "context_length"):
+    for key in ("max_position_embeddings", "context_length", "local_rope_theta", "query_pre_attn_scalar"):
         require(getattr(m, key) >= 0, f"model.{key}={getattr(m, key)!r} must be >= 0")
     for key in ("norm_eps", "rope_theta"):
         require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)!r} must be > 0")
@@ -139,8 +141,8 @@ def check_model(m: ModelConfig) -> None:
 # families whose decoder has mixture-of-experts blocks (models/mixture.py); the others' blocks are all dense
 EXPERT_FAMILIES = ("deepseek", "qwen3_moe", "mixtral")
 # the rope scaling an unscaled model is stretched with, by family: a type its Hugging Face architecture reads
-# (the others: yarn, as Qwen and Mistral document for long context)
-STRETCH_SCALING = {"llama": "llama3", "deepseek": "yarn"}
+# (the others: yarn, as Qwen and Mistral document for long context; Gemma 3 stretches its full layers linearly)
+STRETCH_SCALING = {"llama": "llama3", "deepseek": "yarn", "gemma3": "linear"}
 
 
 def covered_context(m: ModelConfig) -> int:

@@ -39,13 +39,19 @@ class Hidden(NamedTuple):
 class Decoder(nnx.Module):
     """tokens [batch, length] -> hidden [batch, length, embed] -> logits [batch, length, vocab].
 
-    Parameters: embed, final_norm, head (None when the embeddings are tied) and the family's stacks."""
+    Parameters: embed, final_norm, head (None when the embeddings are tied) and the family's stacks. A family may set
+    `norm_offset` (the final norm's, layers.norm.RMSNorm) and `scale_embeddings` (embeddings times sqrt(embed_dim))
+    as Gemma does."""
+
+    norm_offset: float = 0.0
+    scale_embeddings: bool = False
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
         self.config, self.compute = config, compute
         kw = self.dtypes()
-        self.embed = Embed(config.vocab_size, config.embed_dim, rngs=rngs, **kw)
-        self.final_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        scale = config.embed_dim**0.5 if self.scale_embeddings else 1.0
+        self.embed = Embed(config.vocab_size, config.embed_dim, scale=scale, rngs=rngs, **kw)
+        self.final_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, offset=self.norm_offset, rngs=rngs, **kw)
         self.head = (
             None
             if config.tie_embeddings

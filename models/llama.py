@@ -16,20 +16,24 @@ from models.decoder import Decoder
 from models.stack import make_layers, run_layers
 
 
-def attention(config: ModelConfig, kind: str, *, rngs: nnx.Rngs, **kw) -> Attention:
+def attention(config: ModelConfig, kind: str, *, norm_offset: float = 0.0, rngs: nnx.Rngs, **kw) -> Attention:
     """The grouped-query attention of `config` in a layer of `kind` (LAYER_TYPES: a sliding one attends within
-    sliding_window); biases and q/k norms as its fields say."""
+    sliding_window, rotating with local_rope_theta unscaled when that is set); biases, q/k norms (of `norm_offset`)
+    and the softmax scale (query_pre_attn_scalar) as its fields say."""
+    local = kind == SLIDING and config.local_rope_theta > 0
     return Attention(
         config.embed_dim,
         config.num_heads,
         config.num_kv_heads,
         config.head_dim,
-        rope_theta=config.rope_theta,
-        rope_scaling=config.rope_scaling,
+        rope_theta=config.local_rope_theta if local else config.rope_theta,
+        rope_scaling=None if local else config.rope_scaling,
         qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm,
         norm_eps=config.norm_eps,
+        norm_offset=norm_offset,
         window=config.sliding_window if kind == SLIDING else None,
+        scale=config.query_pre_attn_scalar**-0.5 if config.query_pre_attn_scalar else None,
         rngs=rngs,
         **kw,
     )

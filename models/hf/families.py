@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.hf import deepseek, llama, mistral, qwen
+from models.hf import deepseek, gemma3, llama, mistral, qwen
 from models.hf.spec import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -15,6 +15,7 @@ FAMILIES: tuple[Family, ...] = (
     qwen.QWEN3_MOE_FAMILY,
     mistral.MISTRAL_FAMILY,
     mistral.MIXTRAL_FAMILY,
+    gemma3.FAMILY,
 )
 
 

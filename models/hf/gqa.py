@@ -27,8 +27,9 @@ from models.hf.spec import (
 
 def config_from_hf(hf: dict, family: str, architecture: str, required: dict, rope_types, **fields) -> ModelConfig:
     """ModelConfig of a config.json whose left-out keys the caller filled with its config class's defaults:
-    `required` keys checked, quantized checkpoints refused; `fields` are the family's own ModelConfig fields. A
-    head_dim of None is hidden_size / num_attention_heads, as transformers reads it."""
+    `required` keys checked, quantized checkpoints refused; `fields` are the family's own ModelConfig fields (the
+    rope's too when `rope_types` is None). A head_dim of None is hidden_size / num_attention_heads, as transformers
+    reads it."""
     check_required(hf, required, f"{architecture}: config.json has")
     check_unquantized(hf, architecture)
     heads = hf["num_attention_heads"]
@@ -43,7 +44,7 @@ def config_from_hf(hf: dict, family: str, architecture: str, required: dict, rop
         mlp_dim=hf["intermediate_size"],
         norm_eps=float(hf["rms_norm_eps"]),
         tie_embeddings=bool(hf["tie_word_embeddings"]),
-        **rope_from_hf(hf, architecture, rope_types),
+        **(rope_from_hf(hf, architecture, rope_types) if rope_types else {}),
         **fields,
     )
 
@@ -78,23 +79,35 @@ def bias_out(bias: np.ndarray, config: ModelConfig) -> np.ndarray:
     return bias.reshape(-1)
 
 
-def attention(config: ModelConfig, block: Placement) -> list[Tensor]:
-    """The norms and grouped-query attention of the layers in our stacked `block`: q/k/v biases when qkv_bias, q/k
-    norms when qk_norm."""
-    layer, attn, slices = "model.layers.{layer}.", "model.layers.{layer}.self_attn.", block.slices
-    ours = (*block.path, "attn")
-    table = [Tensor(layer + "input_layernorm.weight", (*block.path, "attn_norm", "scale"), slices=slices)]
-    table += [Tensor(attn + f"{p}_proj.weight", (*ours, p), heads_in, heads_in_to_hf, slices) for p in "qkv"]
+def projections(config: ModelConfig, block: Placement) -> list[Tensor]:
+    """The grouped-query attention (self_attn.*) of the layers in our stacked `block`: q/k/v/o projections, q/k/v
+    biases when qkv_bias, q/k norms when qk_norm."""
+    attn, ours, slices = "model.layers.{layer}.self_attn.", (*block.path, "attn"), block.slices
+    table = [Tensor(attn + f"{p}_proj.weight", (*ours, p), heads_in, heads_in_to_hf, slices) for p in "qkv"]
     if config.qkv_bias:
         table += [
             Tensor(attn + f"{p}_proj.bias", (*ours, f"{p}_bias", "bias"), bias_in, bias_out, slices) for p in "qkv"
         ]
     if config.qk_norm:
         table += [Tensor(attn + f"{p}_norm.weight", (*ours, f"{p}_norm", "scale"), slices=slices) for p in "qk"]
+    return [*table, Tensor(attn + "o_proj.weight", (*ours, "o"), heads_out, heads_out_to_hf, slices)]
+
+
+def norms(block: Placement, names: dict[str, str]) -> list[Tensor]:
+    """The layer norms `names` ({Hugging Face's <name>.weight: our norm}) of the layers in our stacked `block`."""
     return [
-        *table,
-        Tensor(attn + "o_proj.weight", (*ours, "o"), heads_out, heads_out_to_hf, slices),
-        Tensor(layer + "post_attention_layernorm.weight", (*block.path, "mlp_norm", "scale"), slices=slices),
+        Tensor(f"model.layers.{{layer}}.{hf}.weight", (*block.path, ours, "scale"), slices=block.slices)
+        for hf, ours in names.items()
+    ]
+
+
+def attention(config: ModelConfig, block: Placement) -> list[Tensor]:
+    """The pre-norm block's norms (input_layernorm before attention, post_attention_layernorm before the
+    feed-forward) and grouped-query attention of the layers in our stacked `block`."""
+    return [
+        *norms(block, {"input_layernorm": "attn_norm"}),
+        *projections(config, block),
+        *norms(block, {"post_attention_layernorm": "mlp_norm"}),
     ]
 
 

@@ -20,6 +20,7 @@ from models.hf.spec import check_required
 # Hugging Face rope_type -> (our RopeScalingConfig.type, the RopeScalingConfig fields it carries)
 ROPE_TYPES = {
     "default": ("none", ()),
+    "linear": ("linear", ("factor",)),
     "llama3": ("llama3", ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
     "yarn": (
         "yarn",
@@ -45,7 +46,7 @@ def _parameters(hf: dict) -> dict:
 
 def _fill_defaults(kind: str, params: dict, hf: dict) -> dict:
     """The values transformers uses for the fields `params` leaves out (see the module docstring)."""
-    if kind == "default":
+    if kind in ("default", "linear"):
         return params
     if hf.get("original_max_position_embeddings") is not None:
         params["original_max_position_embeddings"] = hf["original_max_position_embeddings"]

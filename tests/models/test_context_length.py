@@ -33,6 +33,11 @@ def test_unscaled_deepseek_gets_yarn():
     assert extended.rope_scaling == RopeScalingConfig(type="yarn", factor=16.0, original_max_position_embeddings=2048)
 
 
+def test_unscaled_gemma3_gets_linear_on_its_full_layers():
+    extended, _ = extend_context(model("gemma3", max_position_embeddings=32768, context_length=131072))
+    assert extended.rope_scaling == RopeScalingConfig(type="linear", factor=4.0, original_max_position_embeddings=32768)
+
+
 def test_llama3_stretches_by_the_ratio_to_what_the_model_covers():
     """Llama 3.1 covers 131072 with factor 8 (its config.json's max_position_embeddings, not 8 x 8192)."""
     llama31 = model(rope_scaling=LLAMA31, max_position_embeddings=131072)
@@ -98,5 +103,5 @@ def test_stretched_low_frequencies_turn_at_the_target_as_the_original_did_at_its
         stretched, _ = inverse_frequencies(64, 10000.0, stretch_scaling(RopeScalingConfig(), 256, 4096, kind))
         np.testing.assert_allclose(stretched[-1] * 4096, plain[-1] * 256, rtol=1e-5)
         assert stretched[0] == plain[0]
-    with pytest.raises(ValueError, match="llama3, yarn, not 'none'"):
+    with pytest.raises(ValueError, match="llama3, yarn, linear, not 'none'"):
         stretch_scaling(RopeScalingConfig(), 256, 4096, "none")

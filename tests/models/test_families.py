@@ -1,7 +1,8 @@
 """Each family's train step over context=8 ring equals one device's (loss and gradients, packed rows), the expert
 families' also with experts over expert x context, and q/k/v biases with q/k norms over tensor=4 with repeated
-key/value heads; biases and norm scales are random so that a misplaced one shows. The registry's expert families
-are the ones check_model lets have experts."""
+key/value heads; sliding windows in layers that differ (scanned in groups; dense, MoE and Gemma 3's blocks) over
+context=8 all_gather, Gemma 3 also over tensor=4; biases and norm scales are random so that a misplaced one shows.
+The registry's expert families are the ones check_model lets have experts."""
 
 import dataclasses
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import models
+from layers.rope import RopeScalingConfig
 from models.config import EXPERT_FAMILIES, FULL, SLIDING, ConfigError, check_model
 from models.mixture import MixtureDecoder
 from tests.tiny_models import TINY_LLAMA
@@ -36,6 +38,18 @@ WINDOWED = {
     ),
     "mixtral-layer-types": dataclasses.replace(
         DENSE, family="mixtral", sliding_window=8, **dict(EXPERTS, num_layers=3), layer_types=(SLIDING, FULL, SLIDING)
+    ),
+    "gemma3": dataclasses.replace(
+        DENSE,
+        family="gemma3",
+        qk_norm=True,
+        num_layers=3,
+        sliding_window=8,
+        layer_types=(SLIDING, SLIDING, FULL),
+        rope_scaling=RopeScalingConfig(type="linear", factor=2.0),
+        local_rope_theta=100.0,
+        query_pre_attn_scalar=24,
+        tie_embeddings=True,
     ),
 }
 # both attention features at once, for tensor parallelism (features are fields, whatever the family)
@@ -83,6 +97,7 @@ def references():
         (FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING),
         (FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING),
         (BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN),
+        (WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN),
     ],
     ids=[
         *(f"{name}-ring8" for name in FAMILIES),
@@ -90,6 +105,7 @@ def references():
         "qwen3_moe-expert2-ring4",
         "mixtral-expert2-ring4",
         "qkv-tensor4",
+        "gemma3-tensor4",
     ],
 )
 def test_step_equals_one_device(references, model, mesh_config, parallel_config):

@@ -194,9 +194,9 @@ def test_cli_import_seeds_training_and_export_of_its_checkpoint_round_trips(tmp_
 def test_unsupported_architecture_and_rope_type_are_named(tmp_path):
     hf_llama(tmp_path, num_attention_heads=4)
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["Gemma3ForCausalLM"])))
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, architectures=["FalconForCausalLM"])))
     with pytest.raises(
-        ValueError, match="'Gemma3ForCausalLM' is not supported; supported architectures: LlamaForCausalLM"
+        ValueError, match="'FalconForCausalLM' is not supported; supported architectures: LlamaForCausalLM"
     ):
         load_pretrained(tmp_path)
     config["rope_parameters"] = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}

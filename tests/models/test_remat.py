@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.ad_checkpoint import print_saved_residuals
 
-from models import deepseek, llama
+from models import deepseek, gemma3, llama
 from models.config import FULL, SLIDING
 from models.remat import PROJECTIONS, remat
 from models.stack import Group
@@ -21,10 +21,12 @@ DEEPSEEK = TINY_MLA
 BLOCKS = {
     "llama": lambda: llama.Block(LLAMA, rngs=nnx.Rngs(0)),
     "deepseek": lambda: deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0)),
+    "gemma3": lambda: gemma3.Block(dataclasses.replace(LLAMA, family="gemma3", qk_norm=True), rngs=nnx.Rngs(0)),
 }
 ATTENTION = {
     "llama": {"q_proj", "k_proj", "v_proj", "o_proj"},
     "deepseek": {"q_a_proj", "q_proj", "kv_a_proj", "k_proj", "v_proj", "o_proj"},
+    "gemma3": {"q_proj", "k_proj", "v_proj", "o_proj"},
 }
 
 
