@@ -23,7 +23,7 @@ from bench.report import parse
 
 BENCH = pathlib.Path(__file__).resolve().parent
 REPO = BENCH.parent
-NOT_BENCHMARKS = {"run_all", "report"}
+NOT_BENCHMARKS = {"run_all", "report", "collectives"}
 
 
 @dataclasses.dataclass

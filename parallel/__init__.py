@@ -47,6 +47,8 @@ def attention(
     if plan.layout not in LAYOUTS:
         raise ValueError(f"sequence layout {plan.layout!r} is unknown; available: {', '.join(LAYOUTS)}")
     mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
+    if causal and isinstance(window, int) and window >= q.shape[1]:  # a window of the whole row cuts nothing
+        window = None
     if (plan.strategy != "none" or plan.layout != "contiguous") and (mesh is None or mesh.empty):
         raise ValueError(
             f"attention strategy {plan.strategy!r} with layout {plan.layout!r} needs a mesh: pass "

@@ -13,6 +13,7 @@ GPU), which it would fall back to for every call anyway.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -23,6 +24,7 @@ from parallel.kernels import Options, Tokens
 from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
 from parallel.reorder import from_balanced
+from parallel.strategies import halo
 from parallel.strategies.common import (
     axis_shards,
     global_index,
@@ -36,14 +38,19 @@ from parallel.strategies.common import (
 
 def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
-    heads, dv]. With a window every K/V is still gathered (gathering only the window's reach is not done yet)."""
+    heads, dv]. With a window each device receives only the keys its windows reach (parallel/strategies/halo.py)
+    when that is less than the whole sequence."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     index = global_index(q.shape[1], plan, shards)
     cudnn, chunked = wants_original_order(plan), plan.layout in ("contiguous", "dual_chunk") or shards == 1
     if cudnn and (not chunked or window is not None):  # striped, or a window: no call cuDNN serves, so compile none
         plan = dataclasses.replace(plan, kernel=kernels.general_kernel("cudnn", plan.platform))
-    by_chunks = cudnn and chunked and window is None
     options = kernel_options(plan, causal=causal, scale=scale, window=window)
+    found = halo.shifts(index, shards, window)
+    if found is not None:
+        exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, plan=plan)
+        return run_sharded(functools.partial(halo.halo_local, **exchange), mesh, axis, q, k, v, segment_ids, sinks)
+    by_chunks = cudnn and chunked and window is None
 
     def local(q, k, v, seg, sinks):
         k_all, v_all, seg_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))

@@ -53,8 +53,13 @@ def local_piece(index: np.ndarray, shards: int, rank):
 
 
 def kernel_options(plan, *, causal: bool, scale: float, window: int | None) -> Options:
-    """The kernel options of a strategy's calls: `causal`, `scale`, `window` and the plan's block sizes."""
-    return Options(causal=causal, scale=scale, block_q=plan.block_q, block_kv=plan.block_kv, window=window)
+    """The kernel options of a strategy's calls: `causal`, `scale`, `window` and the plan's block sizes, with a window
+    at most max(64, W // 2) tokens: a block pair across the window's edge is computed whole, so blocks much longer
+    than the window compute mostly masked pairs (bench/window.py)."""
+    block_q, block_kv = plan.block_q, plan.block_kv
+    if window is not None:
+        block_q, block_kv = min(block_q, max(64, window // 2)), min(block_kv, max(64, window // 2))
+    return Options(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, window=window)
 
 
 def kernel(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, plan):

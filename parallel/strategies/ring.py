@@ -25,6 +25,7 @@ from jax import lax
 from parallel.kernels import Options, Tokens
 from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
+from parallel.strategies import halo
 from parallel.strategies.common import axis_shards, global_index, kernel_options, plan_kernel, run_sharded
 
 
@@ -43,7 +44,12 @@ def ring_local(q, k, v, seg, sinks=None, *, axis: str, shards: int, index, optio
     """Inside a shard_map over `axis` (shards devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
     seg [batch, n] are this device's piece, sinks [heads] or None; index: numpy [shards * n] global token index of
     every piece in order. Returns out [batch, n, heads, dv], the sinks applied once to the merged pieces (the
-    merged lse's cotangent then joins each step's backward)."""
+    merged lse's cotangent then joins each step's backward). A window whose halo is smaller than the ring's pieces
+    runs the halo exchange instead (usp's ring too)."""
+    found = halo.shifts(index, shards, options.window)
+    if found is not None:
+        exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, plan=plan)
+        return halo.halo_local(q, k, v, seg, sinks, **exchange)
     n = q.shape[1]
     table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
     impl = plan_kernel(plan)
@@ -59,9 +65,10 @@ def ring_local(q, k, v, seg, sinks=None, *, axis: str, shards: int, index, optio
         """The query and key tokens of the step against the piece of `source` (None: our own, whose indices are
         positions: static, so the kernel knows the causal diagonal at trace time; a piece is in increasing global
         order, so causality by position is causality by global index)."""
-        if source is None:
+        if source is None and options.window is None:
             return Tokens(seg, own), Tokens(seg, own)
-        return Tokens(seg, jnp.asarray(table)[rank]), Tokens(seg_all[source], jnp.asarray(table)[source])
+        mine = Tokens(seg, jnp.asarray(table)[rank])  # a window compares global indices, not a piece's positions
+        return mine, mine if source is None else Tokens(seg_all[source], jnp.asarray(table)[source])
 
     def step_forward(q, seg, kv, seg_all, rank, source):
         """(out float32, lse) of local queries against the KV block of `source` (None: our own)."""
@@ -131,8 +138,9 @@ def ring_local(q, k, v, seg, sinks=None, *, axis: str, shards: int, index, optio
 
 def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
-    heads, dv]. With a window each step's kernel skips the block pairs outside it; every step still runs and sends
-    its K/V piece."""
+    heads, dv]. With a window each device receives only the keys its windows reach (parallel/strategies/halo.py)
+    when that is less than the ring's cp - 1 pieces; else every step runs, its kernel skipping the block pairs
+    outside the window."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     index = global_index(q.shape[1], plan, shards)
     options = kernel_options(plan, causal=causal, scale=scale, window=window)

@@ -1,7 +1,8 @@
 """Every context strategy with a sliding window and attention sinks equals the dense reference (window mask, a sink
-as one more logit column of value zero): out and the gradients of q, k, v and the sinks, on packed rows with padding,
-GQA, at 2 and 4 devices, dual_chunk and contiguous. One compile per case runs its windows: one token, five, a
-device's piece L, L + 3, and more than the row. Sinks alone under cuDNN (its stand-in), which leaves windows to its
+as one more logit column of value zero): out and the gradients of q, k, v and the sinks, on a row holding one
+document and a packed row with padding, GQA, at 2, 4 and 8 devices, dual_chunk and contiguous (and the ring's
+fallback to every step in striped). One compile per case runs its windows: one token, five, sixteen, a device's
+piece L, L + 3, 3L and more than the row. Sinks alone under cuDNN (its stand-in), which leaves windows to its
 general kernel."""
 
 import jax
@@ -24,18 +25,19 @@ def check_windows(strategy, shards, layout, kernel="blockwise", windows=None):
     compile, against the reference."""
     mesh, axis, layout_shards = mesh_for(strategy, shards)
     piece = LENGTH // layout_shards
-    windows = windows or (1, 5, piece, piece + 3, LENGTH + 1)
+    windows = windows or (1, 5, 16, piece, piece + 3, 3 * piece, LENGTH + 1)
     q, k, v, w = inputs("gqa", seed=shards)
     s = jnp.asarray(np.random.default_rng(7).normal(size=(HEADS,)), jnp.float32)
-    seg = jnp.asarray(packed_segments(BATCH, LENGTH, seed=shards + 1))
-    order = dict(layout=layout, axis=1)
+    packed = packed_segments(BATCH, LENGTH, seed=shards + 1)[0]
+    seg = jnp.asarray(np.stack([np.ones(LENGTH, np.int32), packed]))  # one document per row, then a packed row
+    order = dict(layout=layout, stripe=2, axis=1)
     to_layout = lambda x: to_balanced(x, layout_shards, **order)
 
     def grads(window, q, k, v, s):
         def loss(q, k, v, s):
             out = parallel.attention(
                 *(to_layout(x) for x in (q, k, v)), segment_ids=to_layout(seg), window=window, sinks=s, mesh=mesh,
-                strategy=strategy, axis=axis, layout=layout,
+                strategy=strategy, axis=axis, layout=layout, stripe=2,
             )  # fmt: skip
             out = from_balanced(out, layout_shards, **order)
             return jnp.sum(out * w), out
@@ -67,14 +69,18 @@ def check_windows(strategy, shards, layout, kernel="blockwise", windows=None):
         ("none", 1, "contiguous"),
         ("all_gather", 2, "dual_chunk"),
         ("all_gather", 4, "contiguous"),
+        ("all_gather", 8, "dual_chunk"),
         ("ring", 2, "contiguous"),
         ("ring", 2, "dual_chunk"),
         ("ring", 4, "contiguous"),
         ("ring", 4, "dual_chunk"),
+        ("ring", 4, "striped"),
+        ("ring", 8, "contiguous"),
+        ("ring", 8, "dual_chunk"),
         ("ulysses", 2, "contiguous"),
-        ("ulysses", 4, "dual_chunk"),
-        ("usp", 2, "dual_chunk"),
+        ("ulysses", 8, "dual_chunk"),
         ("usp", 4, "dual_chunk"),
+        ("usp", 8, "dual_chunk"),
     ],
 )
 def test_windows_and_sinks_match_reference(strategy, shards, layout):
