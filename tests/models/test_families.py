@@ -1,8 +1,9 @@
 """Each family's train step over context=8 ring equals one device's (loss and gradients, packed rows), the expert
 families' also with experts over expert x context, and q/k/v biases with q/k norms over tensor=4 with repeated
 key/value heads; sliding windows in layers that differ (scanned in groups; dense, MoE and Gemma 3's blocks) over
-context=8 all_gather, Gemma 3 also over tensor=4; biases and norm scales are random so that a misplaced one shows.
-The registry's expert families are the ones check_model lets have experts."""
+context=8 ring with a document longer than the window and than a device's pieces, Gemma 3 also over tensor=4;
+biases and norm scales are random so that a misplaced one shows. The registry's expert families are the ones
+check_model lets have experts."""
 
 import dataclasses
 
@@ -15,7 +16,13 @@ from layers.rope import RopeScalingConfig
 from models.config import EXPERT_FAMILIES, FULL, SLIDING, ConfigError, check_model
 from models.mixture import MixtureDecoder
 from tests.tiny_models import TINY_LLAMA
-from tests.train.step_reference import assert_same_step, first_step, initial_state
+from tests.train.step_reference import (
+    assert_same_step,
+    first_step,
+    initial_state,
+    long_document_batch,
+    packed_batch,
+)
 from train.config import MeshConfig, ModelConfig, ParallelConfig
 
 DENSE = dataclasses.replace(TINY_LLAMA, num_heads=8)
@@ -31,7 +38,7 @@ FAMILIES = {
     ),
     "mixtral": dataclasses.replace(DENSE, family="mixtral", **EXPERTS),
 }
-# sliding windows of 8 (packed documents of 5 to 30 tokens) in layers that differ, scanned in groups
+# sliding windows of 8 in layers that differ, scanned in groups; rows of one 64-token document and of packed ones
 WINDOWED = {
     "qwen3-layer-types": dataclasses.replace(
         DENSE, family="qwen3", qk_norm=True, num_layers=3, sliding_window=8, layer_types=(SLIDING, FULL, SLIDING)
@@ -57,7 +64,6 @@ BIASED_NORMED = dataclasses.replace(DENSE, family="qwen2", qkv_bias=True, qk_nor
 # capacity factor num_experts / experts_per_token: expert parallelism drops nothing
 RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)
 PLAIN = ParallelConfig(block_q=8, block_kv=8)
-ALL_GATHER = dataclasses.replace(RING, context_strategy="all_gather")
 
 
 def randomised(host_state):
@@ -77,40 +83,42 @@ def randomised(host_state):
 
 @pytest.fixture(scope="module")
 def references():
-    """ModelConfig -> (host state, one-device step result), computed on first use."""
+    """(ModelConfig, batch maker) -> (host state, one-device step result), computed on first use."""
     cache = {}
 
-    def get(model):
-        if model not in cache:
+    def get(model, make_batch):
+        if (model, make_batch) not in cache:
             host_state = randomised(initial_state(model))
-            cache[model] = host_state, first_step(host_state, model, MeshConfig(fsdp=1), PLAIN, jax.devices()[:1])
-        return cache[model]
+            step = first_step(host_state, model, MeshConfig(fsdp=1), PLAIN, jax.devices()[:1], make_batch)
+            cache[model, make_batch] = host_state, step
+        return cache[model, make_batch]
 
     return get
 
 
 @pytest.mark.parametrize(
-    "model, mesh_config, parallel_config",
+    "model, mesh_config, parallel_config, make_batch",
     [
-        *((FAMILIES[name], MeshConfig(fsdp=1, context=8), RING) for name in FAMILIES),
-        *((WINDOWED[name], MeshConfig(fsdp=1, context=8), ALL_GATHER) for name in WINDOWED),
-        (FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING),
-        (FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING),
-        (BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN),
-        (WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN),
+        *((FAMILIES[name], MeshConfig(fsdp=1, context=8), RING, packed_batch) for name in FAMILIES),
+        *((WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
+        (FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
+        (FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
+        (BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
+        (WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
     ],
     ids=[
         *(f"{name}-ring8" for name in FAMILIES),
-        *(f"{name}-all_gather8" for name in WINDOWED),
+        *(f"{name}-long-document-ring8" for name in WINDOWED),
         "qwen3_moe-expert2-ring4",
         "mixtral-expert2-ring4",
         "qkv-tensor4",
         "gemma3-tensor4",
     ],
 )
-def test_step_equals_one_device(references, model, mesh_config, parallel_config):
-    host_state, reference = references(model)
-    assert_same_step(first_step(host_state, model, mesh_config, parallel_config, jax.devices()), reference)
+def test_step_equals_one_device(references, model, mesh_config, parallel_config, make_batch):
+    host_state, reference = references(model, make_batch)
+    step = first_step(host_state, model, mesh_config, parallel_config, jax.devices(), make_batch)
+    assert_same_step(step, reference)
 
 
 def test_expert_families_are_the_registrys_mixture_decoders():

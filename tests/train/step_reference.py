@@ -51,21 +51,35 @@ def packed_batch(vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
     )
 
 
+def long_document_batch(vocab_size: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """`packed_batch` whose first row is one document of LENGTH tokens (longer than a context device's pieces and
+    than a sliding window), with a loss on every next token."""
+    batch = packed_batch(vocab_size, seed)
+    tokens = np.random.default_rng(seed + 1).integers(1, vocab_size, LENGTH).astype(np.int32)
+    batch["tokens"][0], batch["segment_ids"][0], batch["positions"][0] = tokens, 1, np.arange(LENGTH)
+    batch["targets"][0] = np.append(tokens[1:], 0)
+    batch["loss_mask"][0] = np.arange(LENGTH) < LENGTH - 1
+    return batch
+
+
 def initial_state(model: ModelConfig):
     """Host copy of a fresh (model, optimizer) state, to be placed on every mesh."""
     mesh = make_mesh(MeshConfig(fsdp=1), jax.devices()[:1])
     return jax.device_get(create_state(model, keep_grads(), mesh, seed=0, compute=COMPUTE).state)
 
 
-def first_step(host_state, model: ModelConfig, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices):
-    """(loss, {parameter path: gradient}) of one train step on `packed_batch()` as the loop would run it."""
+def first_step(
+    host_state, model: ModelConfig, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices, make_batch=None
+):
+    """(loss, {parameter path: gradient}) of one train step on `make_batch(vocab_size)` (packed_batch) as the loop
+    would run it."""
     mesh = make_mesh(mesh_config, devices)
     check_context(parallel_config, mesh.shape, seq_len=LENGTH, num_heads=model.num_heads)
     plan = make_plan(parallel_config, mesh.shape)
     graphdef, _, shardings = abstract_state(model, keep_grads(), mesh, compute=COMPUTE)
     state = TrainState(graphdef, jax.device_put(host_state, shardings), shardings)
     step = make_train_step(state, mesh, chunk_size=32, accum_steps=1, plan=plan)
-    batch = to_layout(packed_batch(model.vocab_size), plan, mesh.shape["context"])
+    batch = to_layout((make_batch or packed_batch)(model.vocab_size), plan, mesh.shape["context"])
     with jax.set_mesh(mesh):
         new_state, metrics = step(state.state, jax.device_put(batch, batch_sharding(mesh)))
     grads = jax.tree_util.tree_leaves_with_path(jax.device_get(new_state[1]["opt_state"]))
