@@ -223,6 +223,12 @@ def _check_latent(m: ModelConfig) -> None:
         f"model.sliding_window={m.sliding_window} is a grouped-query attention feature; latent attention "
         f"(model.family=deepseek) has none: set model.sliding_window=0 and model.layer_types=[]",
     )
+    for key in ("local_rope_theta", "query_pre_attn_scalar"):
+        require(
+            not getattr(m, key),
+            f"model.{key}={getattr(m, key)} is a grouped-query attention feature; latent attention "
+            f"(model.family=deepseek) has none: set model.{key}=0",
+        )
     for key in ("qkv_bias", "qk_norm"):
         require(
             not getattr(m, key),

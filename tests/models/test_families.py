@@ -15,7 +15,7 @@ import models
 from layers.rope import RopeScalingConfig
 from models.config import EXPERT_FAMILIES, FULL, SLIDING, ConfigError, check_model
 from models.mixture import MixtureDecoder
-from tests.tiny_models import TINY_LLAMA
+from tests.tiny_models import TINY_LLAMA, TINY_MLA
 from tests.train.step_reference import (
     assert_same_step,
     first_step,
@@ -127,6 +127,8 @@ def test_expert_families_are_the_registrys_mixture_decoders():
     )
     with pytest.raises(ConfigError, match=r"num_experts=8 needs a family with expert blocks .*=qwen3 has dense blocks"):
         check_model(dataclasses.replace(FAMILIES["qwen3_moe"], family="qwen3"))
+    with pytest.raises(ConfigError, match=r"model\.query_pre_attn_scalar=24 is a grouped-query attention feature"):
+        check_model(dataclasses.replace(TINY_MLA, query_pre_attn_scalar=24))
     with pytest.raises(ConfigError, match=r"model\.qk_norm=true is a grouped-query attention feature"):
         check_model(
             ModelConfig(
