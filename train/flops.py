@@ -11,6 +11,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from models.config import SLIDING
+
 # dense bf16 peak FLOP/s per device by `device_kind` prefix
 PEAK_FLOPS = {
     "NVIDIA H200": 989e12,
@@ -59,20 +61,32 @@ def matmul_params(config) -> int:
 
 
 def _attention_coefficient(config) -> float:
-    """Training FLOPs of causal attention per squared document length: the forward pass's QK^T and PV over half of
-    the [len, len] square (2 FLOPs per multiply-add, over the query-key plus value head dims, every head and layer),
-    x3 with the backward pass."""
+    """Training FLOPs of one layer's causal attention per squared document length: the forward pass's QK^T and PV
+    over half of the [len, len] square (2 FLOPs per multiply-add, over the query-key plus value head dims, every
+    head), x3 with the backward pass."""
     if config.kv_lora_rank:
         head_dims = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
     else:
         head_dims = 2 * config.head_dim
-    return 3.0 * config.num_layers * config.num_heads * head_dims
+    return 3.0 * config.num_heads * head_dims
+
+
+def _attention_flops(config, lengths: np.ndarray) -> float:
+    """Training FLOPs of causal attention within documents of `lengths` in every layer: len^2 squares in full
+    layers; in sliding ones (window W) the pairs a window keeps, as squares: len^2 up to W, 2 len W - W^2 beyond."""
+    lengths = np.asarray(lengths, np.float64)
+    sliding = config.layer_kinds.count(SLIDING)
+    window = config.sliding_window
+    windowed = np.where(lengths <= window, lengths**2, 2 * lengths * window - float(window) ** 2)
+    squares = (config.num_layers - sliding) * np.sum(lengths**2) + sliding * np.sum(windowed)
+    return _attention_coefficient(config) * float(squares)
 
 
 def flops_per_token(config, doc_len: int) -> float:
     """Training FLOPs per token of rows made of `doc_len`-token documents: 6 x matmul params + causal attention
-    within each document (half of doc_len^2 per document, as MaxText and torchtitan count it)."""
-    return 6.0 * matmul_params(config) + _attention_coefficient(config) * doc_len
+    within each document (half of doc_len^2 per document, as MaxText and torchtitan count it; a sliding layer's
+    window caps it)."""
+    return 6.0 * matmul_params(config) + _attention_flops(config, np.array([doc_len])) / doc_len
 
 
 def document_lengths(segment_ids) -> np.ndarray:
@@ -87,9 +101,9 @@ def document_lengths(segment_ids) -> np.ndarray:
 def batch_flops(config, segment_ids) -> float:
     """Training FLOPs of a batch given its [batch, length] segment ids: 6 x matmul params per position (padding
     included: the matmuls run on it) + causal attention within each document (a row's documents never attend to
-    each other), the sum over documents of len^2 at flops_per_token's rate."""
-    squares = float(np.sum(document_lengths(segment_ids).astype(np.float64) ** 2))
-    return 6.0 * matmul_params(config) * np.size(segment_ids) + _attention_coefficient(config) * squares
+    each other), the sum over documents of len^2 at flops_per_token's rate (a sliding layer's window caps it)."""
+    attention = _attention_flops(config, document_lengths(segment_ids).ravel())
+    return 6.0 * matmul_params(config) * np.size(segment_ids) + attention
 
 
 class Peak:

@@ -2,6 +2,7 @@
 the learning rate each step used, save time left out of step times, and no compilation after the first step (seeded
 or not, with ring attention over the context axis too)."""
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -175,6 +176,19 @@ def test_batch_flops_of_equal_documents_match_the_per_token_count():
     padded = np.where(np.arange(256) < 192, rows, 0)  # the last document replaced by padding
     attention = batch_flops(config, padded) - 6 * matmul_params(config) * padded.size
     assert attention == pytest.approx(0.75 * (batch_flops(config, rows) - 6 * matmul_params(config) * rows.size))
+
+
+def test_a_sliding_window_caps_the_attention_flops():
+    """A window of 16 in every layer: a 64-token document counts 64 * 16 - 16^2 / 2 pairs, not 64^2 / 2 (as squares,
+    2 * 64 * 16 - 16^2 of 64^2); documents within the window count in full."""
+    config = load_config(tiny_run.TINY, tiny_run.MODEL).model
+    windowed = dataclasses.replace(config, sliding_window=16)
+    rows = np.repeat(np.arange(1, 5), 64)[None].repeat(2, 0)
+    matmuls = 6 * matmul_params(config) * rows.size
+    ratio = (batch_flops(windowed, rows) - matmuls) / (batch_flops(config, rows) - matmuls)
+    assert ratio == pytest.approx((2 * 64 * 16 - 16**2) / 64**2)
+    short = np.repeat(np.arange(1, 17), 16)[None].repeat(2, 0)
+    assert batch_flops(windowed, short) == batch_flops(config, short)
 
 
 def test_document_lengths_count_each_id_of_each_row_without_padding():
