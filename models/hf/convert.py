@@ -26,6 +26,7 @@ import models
 from models.dtypes import PARAM_DTYPES
 from models.hf.families import by_architecture, for_export
 from models.hf.reader import SafetensorsFile
+from models.hf.spec import Nesting
 
 log = logging.getLogger(__name__)
 
@@ -72,10 +73,24 @@ def _aligned_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
     return raw[start : start + size].view(dtype).reshape(shape)
 
 
-def _plan(family, config, hf_config: dict, files: dict[str, str], shapes: dict, path: pathlib.Path) -> dict[str, list]:
-    """File name -> [(tensor name, Tensor, index into our parameter)] for every tensor the model needs; checks that
-    each is in `files` and that every parameter in `shapes` is filled by some tensor or is one of the family's
-    zeros."""
+def _by_table_name(family, files: dict[str, str], path: pathlib.Path) -> dict[str, tuple[str, str]]:
+    """{name in the family's table: (name in the checkpoint, file)} of the checkpoint's tensors `files` ({name:
+    file}) that the family's nesting does not skip; the skipped ones are counted in one log line."""
+    nesting = family.nesting
+    skipped = [name for name in files if nesting.skips(name)]
+    if skipped:
+        log.warning(
+            "%s: skipped %d tensors under %s: %s", path, len(skipped), ", ".join(nesting.skipped), nesting.reason
+        )
+    return {nesting.table_name(name): (name, file) for name, file in files.items() if not nesting.skips(name)}
+
+
+def _plan(
+    family, config, hf_config: dict, files: dict[str, tuple[str, str]], shapes: dict, path: pathlib.Path
+) -> dict[str, list]:
+    """File name -> [(tensor name in the checkpoint, Tensor, index into our parameter)] for every tensor the model
+    needs; checks that each is in `files` (_by_table_name's) and that every parameter in `shapes` is filled by some
+    tensor or is one of the family's zeros."""
     plan: dict[str, list] = {}
     missing = []
     for tensor in family.tensors_to_read(config, hf_config):
@@ -83,7 +98,8 @@ def _plan(family, config, hf_config: dict, files: dict[str, str], shapes: dict, 
             name = tensor.hf.format(**fields)
             if name not in files:
                 missing.append(name)
-            plan.setdefault(files.get(name), []).append((name, tensor, index))
+            stored, file = files.get(name, (name, None))
+            plan.setdefault(file, []).append((stored, tensor, index))
     if missing:
         raise ValueError(
             f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. {', '.join(missing[:3])}"
@@ -139,12 +155,13 @@ def _harmless(name: str, config, hf_config: dict) -> bool:
     )
 
 
-def unused_tensors(path: pathlib.Path, names, config, hf_config: dict, allow_unused: bool) -> None:
+def unused_tensors(path: pathlib.Path, names, config, hf_config: dict, allow_unused: bool, nesting: Nesting) -> None:
     """Refuses (ValueError naming them) tensors of the checkpoint at `path` the model does not read, unless
     `allow_unused`: a model that drops weights (e.g. attention biases of another architecture) is another model.
-    Those known to be harmless (`_harmless`) and allowed ones are named in a warning."""
+    Those known to be harmless (`_harmless`, by their name in the table of the family's `nesting`) and allowed ones
+    are named in a warning."""
     names = sorted(names)
-    refused = [name for name in names if not _harmless(name, config, hf_config)]
+    refused = [name for name in names if not _harmless(nesting.table_name(name), config, hf_config)]
     if refused and not allow_unused:
         raise ValueError(
             f"{path}: {len(refused)} tensors are not used by the {config.family} model that config.json describes "
@@ -160,7 +177,8 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32, *, allow_unused
     """Hugging Face model directory -> our model (models.build of the converted config), parameters in `dtype`.
 
     The model maps tokens [batch, length] (and optional positions / segment_ids) to logits [batch, length, vocab].
-    Tensors the model does not read are refused (`unused_tensors`) unless harmless or `allow_unused`.
+    Tensors the model does not read are refused (`unused_tensors`) unless harmless or `allow_unused`; those of the
+    rest of a larger model that holds it (its family's `nesting`: a vision tower) are skipped.
     """
     path = pathlib.Path(path)
     hf_config = read_config(path)
@@ -169,9 +187,10 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32, *, allow_unused
     graphdef, state = abstract_model(config)
     shapes = flatten_dict(nnx.to_pure_dict(state))
     files = weight_map(path)
-    plan = _plan(family, config, hf_config, files, shapes, path)
+    plan = _plan(family, config, hf_config, _by_table_name(family, files, path), shapes, path)
     used = {name for entries in plan.values() for name, _, _ in entries}
-    unused_tensors(path, set(files) - used, config, hf_config, allow_unused)
+    unused = {name for name in files if name not in used and not family.nesting.skips(name)}
+    unused_tensors(path, unused, config, hf_config, allow_unused, family.nesting)
     params = _read(path, plan, shapes, config)
     params.update({ours: jnp.zeros(shapes[ours].shape, shapes[ours].dtype) for ours in family.zeros(config)})
     nnx.replace_by_pure_dict(state, unflatten_dict(params))

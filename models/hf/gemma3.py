@@ -27,8 +27,14 @@ REQUIRED = {
     "attn_logit_softcapping": None,
     "use_bidirectional_attention": False,
 }
-# Gemma3TextConfig's values for the keys a config.json may leave out
+# Gemma3TextConfig's values for the keys a config.json may leave out (the 4B's text_config names only its sizes)
 DEFAULTS = {
+    "vocab_size": 262208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
     "head_dim": 256,

@@ -126,6 +126,12 @@ def every(config: ModelConfig) -> bool:
     return True
 
 
+def never(config: ModelConfig) -> bool:
+    """False for every configuration (an architecture that is only read)."""
+    del config
+    return False
+
+
 def same(array: np.ndarray, config: ModelConfig) -> np.ndarray:
     """Identity transform (embedding tables, norm scales)."""
     del config
@@ -168,6 +174,28 @@ class Tensor:
 
 
 @dataclass(frozen=True)
+class Nesting:
+    """Where a checkpoint holds the family's model inside a larger one (a text model beside a vision tower):
+    `prefixes` are (its tensors' prefix, the table's) for each form the checkpoints write; tensors under a `skipped`
+    prefix are the rest of the larger model, left out of an import for `reason`. The default nests nothing."""
+
+    prefixes: tuple[tuple[str, str], ...] = ()
+    skipped: tuple[str, ...] = ()
+    reason: str = ""
+
+    def table_name(self, name: str) -> str:
+        """A checkpoint's tensor `name` as the family's table names it: its first matching prefix replaced."""
+        for prefix, table in self.prefixes:
+            if name.startswith(prefix):
+                return table + name.removeprefix(prefix)
+        return name
+
+    def skips(self, name: str) -> bool:
+        """Whether tensor `name` belongs to the rest of the larger model."""
+        return name.startswith(self.skipped)
+
+
+@dataclass(frozen=True)
 class Family:
     """One Hugging Face architecture (config.json `architectures[0]`) <-> one `ModelConfig.family`.
 
@@ -178,7 +206,8 @@ class Family:
     `read_tensors(ModelConfig, config.json dict) -> [Tensor]` for reading them.
     `exports(ModelConfig) -> bool` tells whether this architecture is the one a configuration of `family` is
     exported as (where several share a family), and `zeros(ModelConfig)` the paths of parameters that its
-    checkpoints do not hold, set to zeros on reading and not written.
+    checkpoints do not hold, set to zeros on reading and not written. `nesting` names the tensors of an architecture
+    that holds the model inside a larger one (read only: such a family's `exports` is `never`).
     """
 
     architecture: str
@@ -189,6 +218,7 @@ class Family:
     read_tensors: Callable[[ModelConfig, dict], list[Tensor]] | None = None
     exports: Callable[[ModelConfig], bool] = every
     zeros: Callable[[ModelConfig], tuple[tuple[str, ...], ...]] = nothing
+    nesting: Nesting = Nesting()
 
     def tensors_to_read(self, config: ModelConfig, hf_config: dict) -> list[Tensor]:
         """The tensors of a checkpoint with config.json `hf_config`: read_tensors if given, else tensors."""
