@@ -25,13 +25,11 @@ from safetensors.numpy import save_file
 import models
 from models.dtypes import PARAM_DTYPES
 from models.hf.families import by_architecture, for_export
-from models.hf.reader import SafetensorsFile
+from models.hf.stored import INDEX, SINGLE, StoredTensors
 
 log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 def read_config(path: str | pathlib.Path) -> dict:
@@ -40,15 +38,6 @@ def read_config(path: str | pathlib.Path) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist; a Hugging Face model directory holds {CONFIG}")
     return json.loads(file.read_text())
-
-
-def weight_map(path: pathlib.Path) -> dict[str, str]:
-    """Tensor name -> safetensors file name, from model.safetensors.index.json or the single model.safetensors."""
-    if (path / INDEX).is_file():
-        return json.loads((path / INDEX).read_text())["weight_map"]
-    if (path / SINGLE).is_file():
-        return dict.fromkeys(SafetensorsFile(path / SINGLE).keys(), SINGLE)
-    raise FileNotFoundError(f"{path} holds neither {SINGLE} nor {INDEX}")
 
 
 def abstract_model(config) -> tuple[nnx.GraphDef, nnx.State]:
@@ -98,7 +87,7 @@ def _plan(family, config, hf_config: dict, files: dict[str, str], shapes: dict, 
     return plan
 
 
-def _read(path: pathlib.Path, plan: dict[str, list], shapes: dict, config) -> dict[tuple, jax.Array]:
+def _read(stored: StoredTensors, plan: dict[str, list], shapes: dict, config) -> dict[tuple, jax.Array]:
     """Reads the planned tensors one at a time into host buffers of our parameters' shapes; each parameter goes to
     JAX (and its buffer is dropped) once its last tensor is in. Returns {parameter path: array}."""
     remaining = dict.fromkeys(shapes, 0)
@@ -108,13 +97,12 @@ def _read(path: pathlib.Path, plan: dict[str, list], shapes: dict, config) -> di
     buffers: dict[tuple, np.ndarray] = {}
     params: dict[tuple, jax.Array] = {}
     for file, entries in plan.items():
-        reader = SafetensorsFile(path / file)
         for name, tensor, index in entries:
             target = shapes[tensor.ours]
-            value = tensor.to_ours(reader.get(name), config)
+            value = tensor.to_ours(stored.get(name), config)
             if value.shape != target.shape[len(index) :]:
                 raise ValueError(
-                    f"{path / file}: {name} gives shape {value.shape} for "
+                    f"{stored.path / file}: {name} gives shape {value.shape} for "
                     f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index) :]}"
                 )
             if tensor.ours not in buffers:
@@ -168,11 +156,11 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32, *, allow_unused
     config = dataclasses.replace(family.config_from_hf(hf_config), param_dtype=_dtype_name(dtype))
     graphdef, state = abstract_model(config)
     shapes = flatten_dict(nnx.to_pure_dict(state))
-    files = weight_map(path)
-    plan = _plan(family, config, hf_config, files, shapes, path)
+    stored = StoredTensors(path)
+    plan = _plan(family, config, hf_config, stored.files, shapes, path)
     used = {name for entries in plan.values() for name, _, _ in entries}
-    unused_tensors(path, set(files) - used, config, hf_config, allow_unused)
-    params = _read(path, plan, shapes, config)
+    unused_tensors(path, set(stored.files) - used, config, hf_config, allow_unused)
+    params = _read(stored, plan, shapes, config)
     params.update({ours: jnp.zeros(shapes[ours].shape, shapes[ours].dtype) for ours in family.zeros(config)})
     nnx.replace_by_pure_dict(state, unflatten_dict(params))
     return nnx.merge(graphdef, state)
