@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.hf import deepseek, gemma3, llama, mistral, qwen
+from models.hf import deepseek, gemma3, gpt_oss, llama, mistral, qwen
 from models.hf.spec import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -16,6 +16,7 @@ FAMILIES: tuple[Family, ...] = (
     mistral.MISTRAL_FAMILY,
     mistral.MIXTRAL_FAMILY,
     gemma3.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 
