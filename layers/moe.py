@@ -134,6 +134,9 @@ class MoE(nnx.Module):
             self.experts_gate_up_bias = logical_param(
                 jnp.zeros((num_experts, 2 * moe_mlp_dim), param_dtype), ("experts", "mlp")
             )
+            self.experts_down_bias = logical_param(
+                jnp.zeros((num_experts, embed_dim), param_dtype), ("experts", "embed")
+            )
         else:
             in_shape = (num_experts, embed_dim, moe_mlp_dim)
             self.experts_gate = logical_param(_expert_init(rngs.params(), in_shape, param_dtype), in_axes)
@@ -141,10 +144,6 @@ class MoE(nnx.Module):
         self.experts_down = logical_param(
             _expert_init(rngs.params(), (num_experts, moe_mlp_dim, embed_dim), param_dtype), ("experts", "mlp", "embed")
         )
-        if expert_mlp == "clamped_swiglu":
-            self.experts_down_bias = logical_param(
-                jnp.zeros((num_experts, embed_dim), param_dtype), ("experts", "embed")
-            )
         self.shared = (
             SwiGLU(embed_dim, moe_mlp_dim * num_shared_experts, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
             if num_shared_experts

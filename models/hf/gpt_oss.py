@@ -81,8 +81,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
     hf = {**DEFAULTS, **hf}
     if not hf.get("rope_parameters") and not hf.get("rope_scaling"):
         hf["rope_scaling"] = DEFAULT_ROPE
-    if (hf.get("quantization_config") or {}).get("quant_method") == QUANTIZATION:
-        hf = {key: value for key, value in hf.items() if key != "quantization_config"}
+    quantization = hf.pop("quantization_config", None) or {}
+    if quantization and quantization.get("quant_method") != QUANTIZATION:
+        raise ValueError(
+            f"{GPT_OSS}: config.json has quantization_config {quantization.get('quant_method', '')!r}; only "
+            f"{QUANTIZATION} (OpenAI's release, dequantized on import) and unquantized checkpoints are supported"
+        )
     windowed = [i for i, kind in enumerate(layer_types(hf)) if kind == SLIDING]
     bias = bool(hf["attention_bias"])
     return gqa.config_from_hf(
