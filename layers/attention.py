@@ -1,9 +1,10 @@
 """Grouped-query self-attention with rotary embeddings; the attention itself is `parallel.attention`, the
 projections gather tokens (`parallel.gather`) and reduce-scatter them (`parallel.project_scatter`).
 
-Optional, as Hugging Face families have them: q/k/v biases (Qwen2's q/k/v_proj bias), a per-head RMSNorm of queries
-and keys over head_dim before rope (Qwen3's q_norm / k_norm), a sliding window (Mistral's sliding_window) and a
-softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)."""
+Optional, as Hugging Face families have them: q/k/v biases (Qwen2's q/k/v_proj bias), an output bias (GPT-OSS's
+o_proj bias), a per-head RMSNorm of queries and keys over head_dim before rope (Qwen3's q_norm / k_norm), a sliding
+window (Mistral's sliding_window), a softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)
+and learned attention sinks, one logit per head that joins every softmax as a key of value zero (GPT-OSS's sinks)."""
 
 from __future__ import annotations
 
@@ -31,13 +32,25 @@ class HeadBias(nnx.Module):
         return y + jnp.repeat(bias, y.shape[2] // bias.shape[0], axis=0)
 
 
+class OutputBias(nnx.Module):
+    """A bias `bias` [embed] of the output projection (zeros at first; named `bias`, so it gets no weight decay)."""
+
+    def __init__(self, embed_dim: int, param_dtype=jnp.float32):
+        self.bias = logical_param(jnp.zeros((embed_dim,), param_dtype), ("embed",))
+
+    def __call__(self, y):
+        """y: [batch, length, embed] -> y + bias."""
+        return y + self.bias[...].astype(y.dtype)
+
+
 class Attention(nnx.Module):
     """GQA/MQA attention: x [batch, length, embed] -> [batch, length, embed].
 
     Parameters: q [embed, heads, head_dim], k / v [embed, kv_heads, head_dim], o [heads, head_dim, embed]; with
     `qkv_bias` q_bias / k_bias / v_bias HeadBias of the heads / kv heads; with `qk_norm` q_norm / k_norm
-    RMSNorm(head_dim, eps=norm_eps, offset=norm_offset); `window` W: a query at i sees keys i - W < j <= i (None: all
-    before it); `scale`: the softmax scale (None: head_dim ** -0.5)."""
+    RMSNorm(head_dim, eps=norm_eps, offset=norm_offset); with `o_bias` o_bias OutputBias [embed]; with `sinks` sinks
+    [heads] (zeros at first, no weight decay); `window` W: a query at i sees keys i - W < j <= i (None: all before it);
+    `scale`: the softmax scale (None: head_dim ** -0.5)."""
 
     def __init__(
         self,
@@ -50,6 +63,8 @@ class Attention(nnx.Module):
         rope_scaling=None,
         qkv_bias: bool = False,
         qk_norm: bool = False,
+        o_bias: bool = False,
+        sinks: bool = False,
         norm_eps: float = 1e-6,
         norm_offset: float = 0.0,
         window: int | None = None,
@@ -82,6 +97,8 @@ class Attention(nnx.Module):
         norms = dict(eps=norm_eps, offset=norm_offset, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(head_dim, **norms) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, **norms) if qk_norm else None
+        self.o_bias = OutputBias(embed_dim, param_dtype) if o_bias else None
+        self.sinks = logical_param(jnp.zeros((num_heads,), param_dtype), ("heads",)) if sinks else None
 
     def _project(self, tokens, kernel, bias: HeadBias | None, repeat: bool = False):
         """tokens.project onto [batch, length, heads, head_dim], plus `bias` when there is one."""
@@ -100,7 +117,11 @@ class Attention(nnx.Module):
         inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
         q = apply_rope(q, positions, inv_freq, self.rope_factor)
         k = apply_rope(k, positions, inv_freq, self.rope_factor)
-        out = parallel.attention(q, k, v, segment_ids=segment_ids, causal=True, scale=self.scale, window=self.window)
-        return checkpoint_name(
+        sinks = None if self.sinks is None else self.sinks[...]
+        out = parallel.attention(
+            q, k, v, segment_ids=segment_ids, causal=True, scale=self.scale, window=self.window, sinks=sinks
+        )
+        y = checkpoint_name(
             parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"), "o_proj"
         )
+        return y if self.o_bias is None else self.o_bias(y)

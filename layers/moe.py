@@ -2,18 +2,23 @@
 one group and no shared experts it is Qwen3-MoE's and Mixtral's (`Qwen3MoeSparseMoeBlock`, `MixtralSparseMoeBlock`).
 
 Router scores are DeepSeek-V3's sigmoid, with an aux-loss-free selection bias, or DeepSeek-V2's softmax over all
-experts, without one; optional group-limited routing; routed SwiGLU experts, run where `parallel.routed_experts`
-sends the tokens (dropless on one device; under expert parallelism a capacity per expert that the parallel plan
-sets); optional shared experts.
+experts, without one; optional group-limited routing; an optional learned bias of the router's logits (GPT-OSS,
+whose softmax over the top-k logits is the renormalised softmax over all); routed SwiGLU experts, or GPT-OSS's
+clamped SwiGLU experts with biases (layers/clamped_swiglu.py), run where `parallel.routed_experts` sends the tokens
+(dropless on one device; under expert parallelism a capacity per expert that the parallel plan sets); optional shared
+experts.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 import parallel
+from layers.clamped_swiglu import expert_clamped_swiglu
 from layers.mlp import SwiGLU
 from layers.params import logical_param
 
@@ -21,6 +26,7 @@ from layers.params import logical_param
 _router_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 _expert_init = nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", batch_axis=(0,))
 ROUTER_SCORES = ("sigmoid", "softmax")
+EXPERT_MLPS = ("swiglu", "clamped_swiglu")  # the routed experts' feed-forward: SwiGLU, or GPT-OSS's clamped one
 
 
 class RouterBias(nnx.Variable):
@@ -52,8 +58,12 @@ class MoE(nnx.Module):
     """Routed SwiGLU experts (top-k of `num_experts`) plus optional shared experts.
 
     Parameters: router [embed, experts], bias RouterBias [experts] (selection bias of sigmoid routing;
-    softmax routing leaves it unused), experts_gate / experts_up
-    [experts, embed, moe_mlp], experts_down [experts, moe_mlp, embed], shared SwiGLU(moe_mlp * num_shared) or None.
+    softmax routing leaves it unused), with `router_logit_bias` router_bias [experts] (added to the router's logits),
+    experts_gate / experts_up [experts, embed, moe_mlp], experts_down [experts, moe_mlp, embed], shared
+    SwiGLU(moe_mlp * num_shared) or None. With expert_mlp "clamped_swiglu" the experts are experts_gate_up [experts,
+    embed, 2 * moe_mlp] (gate and up interleaved), experts_gate_up_bias [experts, 2 * moe_mlp], experts_down and
+    experts_down_bias [experts, embed] (GPT-OSS: mlp.router.weight.T / .bias and mlp.experts.gate_up_proj,
+    gate_up_proj_bias, down_proj, down_proj_bias as they are).
     Hugging Face: router = mlp.gate.weight.T, bias = mlp.gate.e_score_correction_bias (V3),
     experts_{gate,up,down}[i] = mlp.experts.{i}.{gate,up,down}_proj.weight.T,
     shared.{gate,up,down} = mlp.shared_experts.{gate,up,down}_proj.weight.T (Mixtral: block_sparse_moe.gate and
@@ -73,12 +83,18 @@ class MoE(nnx.Module):
         norm_topk_prob: bool = True,
         routed_scaling_factor: float = 1.0,
         router_score: str = "sigmoid",
+        router_logit_bias: bool = False,
+        expert_mlp: str = "swiglu",
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
     ):
         if router_score not in ROUTER_SCORES:
             raise ValueError(f"router_score={router_score!r} must be one of {', '.join(ROUTER_SCORES)}")
+        if expert_mlp not in EXPERT_MLPS:
+            raise ValueError(f"expert_mlp={expert_mlp!r} must be one of {', '.join(EXPERT_MLPS)}")
         if n_group < 1 or num_experts % n_group:
             raise ValueError(f"num_experts={num_experts} must be divisible by n_group={n_group} (n_group >= 1)")
         if router_score == "sigmoid" and n_group > 1 and num_experts // n_group < 2:
@@ -107,9 +123,24 @@ class MoE(nnx.Module):
         # The router's experts axis stays whole: every token's selection needs all of its scores.
         self.router = logical_param(_router_init(rngs.params(), (embed_dim, num_experts), param_dtype), ("embed", None))
         self.bias = RouterBias(jnp.zeros((num_experts,), jnp.float32))
-        in_shape, in_axes = (num_experts, embed_dim, moe_mlp_dim), ("experts", "embed", "mlp")
-        self.experts_gate = logical_param(_expert_init(rngs.params(), in_shape, param_dtype), in_axes)
-        self.experts_up = logical_param(_expert_init(rngs.params(), in_shape, param_dtype), in_axes)
+        self.router_bias = logical_param(jnp.zeros((num_experts,), param_dtype), (None,)) if router_logit_bias else None
+        self.expert_mlp = expert_mlp
+        self.swiglu_alpha, self.swiglu_limit = swiglu_alpha, swiglu_limit
+        in_axes = ("experts", "embed", "mlp")
+        if expert_mlp == "clamped_swiglu":
+            self.experts_gate_up = logical_param(
+                _expert_init(rngs.params(), (num_experts, embed_dim, 2 * moe_mlp_dim), param_dtype), in_axes
+            )
+            self.experts_gate_up_bias = logical_param(
+                jnp.zeros((num_experts, 2 * moe_mlp_dim), param_dtype), ("experts", "mlp")
+            )
+            self.experts_down_bias = logical_param(
+                jnp.zeros((num_experts, embed_dim), param_dtype), ("experts", "embed")
+            )
+        else:
+            in_shape = (num_experts, embed_dim, moe_mlp_dim)
+            self.experts_gate = logical_param(_expert_init(rngs.params(), in_shape, param_dtype), in_axes)
+            self.experts_up = logical_param(_expert_init(rngs.params(), in_shape, param_dtype), in_axes)
         self.experts_down = logical_param(
             _expert_init(rngs.params(), (num_experts, moe_mlp_dim, embed_dim), param_dtype), ("experts", "mlp", "embed")
         )
@@ -121,11 +152,18 @@ class MoE(nnx.Module):
 
     def route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens: [tokens, embed] -> (weights [tokens, k] float32, experts [tokens, k] int32), see `_route`."""
-        return self._route(tokens, self.router[...], self.bias[...])
+        return self._route(tokens, *self._route_params())
 
-    def _route(self, tokens: jax.Array, router: jax.Array, bias: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens: [tokens, embed], router [embed, experts], bias [experts] -> (weights [tokens, k] float32, experts
-        [tokens, k] int32).
+    def _route_params(self) -> tuple[jax.Array, ...]:
+        """(router, selection bias, and the router's logit bias when there is one)."""
+        logit_bias = () if self.router_bias is None else (self.router_bias[...],)
+        return (self.router[...], self.bias[...], *logit_bias)
+
+    def _route(
+        self, tokens: jax.Array, router: jax.Array, bias: jax.Array, logit_bias: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """tokens: [tokens, embed], router [embed, experts], bias [experts], logit_bias [experts] or None ->
+        (weights [tokens, k] float32, experts [tokens, k] int32).
 
         sigmoid (DeepSeek-V3): experts are chosen by sigmoid scores + bias, groups scored by the sum of their
         top 2 choice scores. softmax (DeepSeek-V2): experts are chosen by the softmax over all experts, groups
@@ -134,6 +172,8 @@ class MoE(nnx.Module):
         the scaling factor.
         """
         logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        if logit_bias is not None:
+            logits = logits + logit_bias.astype(jnp.float32)
         if self.router_score == "softmax":
             scores = choice = jax.nn.softmax(logits, axis=-1)
         else:
@@ -160,15 +200,26 @@ class MoE(nnx.Module):
         layout, {"counts": routed assignments per expert [experts], "dropped": assignments past the dispatch
         capacity []}, float32). The routed experts go through `parallel.routed_experts` (tokens move to the
         experts' devices); the shared experts are a SwiGLU with explicit collectives."""
-        matrices = tuple(k[...].astype(self.dtype) for k in (self.experts_gate, self.experts_up, self.experts_down))
         y, counts, dropped = parallel.routed_experts(
             x.astype(self.dtype),
             self._route,
-            (self.router[...], self.bias[...]),
-            expert_swiglu,
-            matrices,
+            self._route_params(),
+            self._ffn(),
+            tuple(m[...].astype(self.dtype) for m in self._expert_arrays()),
             num_experts=self.num_experts,
         )
         if self.shared is not None:
             y = y + self.shared(x)
         return y, {"counts": counts, "dropped": dropped}
+
+    def _ffn(self):
+        """The routed experts' feed-forward (rows, *expert arrays, group_sizes=None) -> rows."""
+        if self.expert_mlp == "clamped_swiglu":
+            return functools.partial(expert_clamped_swiglu, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
+        return expert_swiglu
+
+    def _expert_arrays(self) -> tuple[nnx.Param, ...]:
+        """The routed experts' parameters [experts, ...], in the order `_ffn()` takes them."""
+        if self.expert_mlp == "clamped_swiglu":
+            return self.experts_gate_up, self.experts_gate_up_bias, self.experts_down, self.experts_down_bias
+        return self.experts_gate, self.experts_up, self.experts_down

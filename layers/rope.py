@@ -4,8 +4,7 @@ Frequencies follow `_compute_default_rope_parameters`, `_compute_linear_scaling_
 `_compute_llama3_parameters` and `_compute_yarn_parameters` of `transformers.modeling_rope_utils`; they are derived
 in float64 and returned as float32. Rotation angles are always computed in float32.
 
-Differences from Hugging Face, by design: yarn always truncates the correction range (Hugging Face's
-`truncate`, default true) and an explicit `attention_factor` override is not supported. Like Hugging
+Differences from Hugging Face, by design: an explicit `attention_factor` override is not supported. Like Hugging
 Face, yarn uses `scaling.factor` as given (Hugging Face falls back to max_position_embeddings /
 original_max_position_embeddings only when factor is absent). A zero `mscale` stands for Hugging Face's absent one.
 """
@@ -35,6 +34,7 @@ class RopeScalingConfig:
     beta_slow: float = 1.0  # yarn
     mscale: float = 1.0  # yarn
     mscale_all_dim: float = 0.0  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dimensions (GPT-OSS: false)
 
 
 def stretch_scaling(scaling: RopeScalingConfig, covered: int, context_length: int, kind: str) -> RopeScalingConfig:
@@ -75,15 +75,17 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _yarn_correction_range(head_dim: int, theta: float, scaling: RopeScalingConfig) -> tuple[int, int]:
-    """Dimension-pair indices (low, high) between which YaRN ramps from extrapolation to interpolation."""
+def _yarn_correction_range(head_dim: int, theta: float, scaling: RopeScalingConfig) -> tuple[float, float]:
+    """Dimension-pair indices (low, high) between which YaRN ramps from extrapolation to interpolation; whole
+    numbers when `scaling.truncate`."""
 
     def correction_dim(num_rotations: float) -> float:
         wavelengths = scaling.original_max_position_embeddings / (num_rotations * 2 * math.pi)
         return head_dim * math.log(wavelengths) / (2 * math.log(theta))
 
-    low = math.floor(correction_dim(scaling.beta_fast))
-    high = math.ceil(correction_dim(scaling.beta_slow))
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
     return max(low, 0), min(high, head_dim - 1)
 
 

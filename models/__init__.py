@@ -20,6 +20,7 @@ REGISTRY = {
     "qwen3_moe": Mixtral,
     "mixtral": Mixtral,
     "gemma3": Gemma3,
+    "gpt_oss": Mixtral,
 }
 
 

@@ -26,6 +26,10 @@ def experts(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MoE:
         norm_topk_prob=config.norm_topk_prob,
         routed_scaling_factor=config.routed_scaling_factor,
         router_score=config.router_score,
+        router_logit_bias=config.router_logit_bias,
+        expert_mlp=config.expert_mlp,
+        swiglu_alpha=config.swiglu_alpha,
+        swiglu_limit=config.swiglu_limit,
         rngs=rngs,
         **kw,
     )

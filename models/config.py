@@ -68,6 +68,13 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # routed_scaling_factor
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
     router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (all others, no bias)
+    # GPT-OSS (gpt_oss; Hugging Face names in comments): attention_bias = qkv_bias and o_bias
+    o_bias: bool = False  # o_proj bias
+    attention_sinks: bool = False  # self_attn.sinks: a learned logit per head joining every softmax
+    router_logit_bias: bool = False  # mlp.router.bias, added to the router's logits
+    expert_mlp: str = "swiglu"  # swiglu | clamped_swiglu (gate_up_proj and down_proj with biases, clamped SwiGLU)
+    swiglu_alpha: float = 1.702  # swiglu_alpha: clamped_swiglu's sigmoid gain
+    swiglu_limit: float = 7.0  # swiglu_limit: clamped_swiglu's gate clamp (above) and up clamp (both sides)
 
     @property
     def num_dense_layers(self) -> int:
@@ -139,7 +146,7 @@ def check_model(m: ModelConfig) -> None:
 
 
 # families whose decoder has mixture-of-experts blocks (models/mixture.py); the others' blocks are all dense
-EXPERT_FAMILIES = ("deepseek", "qwen3_moe", "mixtral")
+EXPERT_FAMILIES = ("deepseek", "qwen3_moe", "mixtral", "gpt_oss")
 # the rope scaling an unscaled model is stretched with, by family: a type its Hugging Face architecture reads
 # (the others: yarn, as Qwen and Mistral document for long context; Gemma 3 stretches its full layers linearly)
 STRETCH_SCALING = {"llama": "llama3", "deepseek": "yarn", "gemma3": "linear"}
@@ -229,7 +236,7 @@ def _check_latent(m: ModelConfig) -> None:
             f"model.{key}={getattr(m, key)} is a grouped-query attention feature; latent attention "
             f"(model.family=deepseek) has none: set model.{key}=0",
         )
-    for key in ("qkv_bias", "qk_norm"):
+    for key in ("qkv_bias", "qk_norm", "o_bias", "attention_sinks"):
         require(
             not getattr(m, key),
             f"model.{key}=true is a grouped-query attention feature; latent attention (model.family=deepseek) has "
@@ -254,6 +261,11 @@ def _check_experts(m: ModelConfig) -> None:
         f"model.router_score={m.router_score!r} selects experts without the router bias; set "
         f"model.router_bias_rate=0 (it is {m.router_bias_rate})",
     )
+    if m.expert_mlp == "clamped_swiglu":
+        for key in ("swiglu_alpha", "swiglu_limit"):
+            require(
+                getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for model.expert_mlp=clamped_swiglu"
+            )
     if m.num_experts == 0:
         return
     for key in ("experts_per_token", "moe_mlp_dim"):

@@ -18,8 +18,8 @@ from models.stack import make_layers, run_layers
 
 def attention(config: ModelConfig, kind: str, *, norm_offset: float = 0.0, rngs: nnx.Rngs, **kw) -> Attention:
     """The grouped-query attention of `config` in a layer of `kind` (LAYER_TYPES: a sliding one attends within
-    sliding_window, rotating with local_rope_theta unscaled when that is set); biases, q/k norms (of `norm_offset`)
-    and the softmax scale (query_pre_attn_scalar) as its fields say."""
+    sliding_window, rotating with local_rope_theta unscaled when that is set); biases, q/k norms (of `norm_offset`),
+    sinks and the softmax scale (query_pre_attn_scalar) as its fields say."""
     local = kind == SLIDING and config.local_rope_theta > 0
     return Attention(
         config.embed_dim,
@@ -30,6 +30,8 @@ def attention(config: ModelConfig, kind: str, *, norm_offset: float = 0.0, rngs:
         rope_scaling=None if local else config.rope_scaling,
         qkv_bias=config.qkv_bias,
         qk_norm=config.qk_norm,
+        o_bias=config.o_bias,
+        sinks=config.attention_sinks,
         norm_eps=config.norm_eps,
         norm_offset=norm_offset,
         window=config.sliding_window if kind == SLIDING else None,

@@ -7,7 +7,7 @@ import optax
 
 from models.dtypes import DTYPES, PARAM_DTYPES
 
-NO_DECAY = ("scale", "bias")  # norm scales and biases are not decayed
+NO_DECAY = ("scale", "bias", "sinks")  # norm scales, biases (also any name ending in _bias) and attention sinks
 # what AdamW's first moment is stored in; param: the parameters' dtype (the second moment's, always)
 MU_DTYPES = ("param", *PARAM_DTYPES)
 
@@ -28,11 +28,11 @@ def learning_rate_schedule(config, total_steps: int) -> optax.Schedule:
 
 
 def decay_mask(params):
-    """True for parameters that get weight decay: everything but norm scales and biases."""
+    """True for parameters that get weight decay: everything but norm scales, biases and attention sinks."""
 
     def keep(path, _):
         names = [entry.key for entry in path if isinstance(getattr(entry, "key", None), str)]
-        return names[-1] not in NO_DECAY
+        return names[-1] not in NO_DECAY and not names[-1].endswith("_bias")
 
     return jax.tree_util.tree_map_with_path(keep, params)
 

@@ -25,14 +25,12 @@ from safetensors.numpy import save_file
 import models
 from models.dtypes import PARAM_DTYPES
 from models.hf.families import by_architecture, for_export
-from models.hf.reader import SafetensorsFile
 from models.hf.spec import Nesting
+from models.hf.stored import INDEX, SINGLE, StoredTensors
 
 log = logging.getLogger(__name__)
 
 CONFIG = "config.json"
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
 
 
 def read_config(path: str | pathlib.Path) -> dict:
@@ -41,15 +39,6 @@ def read_config(path: str | pathlib.Path) -> dict:
     if not file.is_file():
         raise FileNotFoundError(f"{file} does not exist; a Hugging Face model directory holds {CONFIG}")
     return json.loads(file.read_text())
-
-
-def weight_map(path: pathlib.Path) -> dict[str, str]:
-    """Tensor name -> safetensors file name, from model.safetensors.index.json or the single model.safetensors."""
-    if (path / INDEX).is_file():
-        return json.loads((path / INDEX).read_text())["weight_map"]
-    if (path / SINGLE).is_file():
-        return dict.fromkeys(SafetensorsFile(path / SINGLE).keys(), SINGLE)
-    raise FileNotFoundError(f"{path} holds neither {SINGLE} nor {INDEX}")
 
 
 def abstract_model(config) -> tuple[nnx.GraphDef, nnx.State]:
@@ -114,7 +103,7 @@ def _plan(
     return plan
 
 
-def _read(path: pathlib.Path, plan: dict[str, list], shapes: dict, config) -> dict[tuple, jax.Array]:
+def _read(stored: StoredTensors, plan: dict[str, list], shapes: dict, config) -> dict[tuple, jax.Array]:
     """Reads the planned tensors one at a time into host buffers of our parameters' shapes; each parameter goes to
     JAX (and its buffer is dropped) once its last tensor is in. Returns {parameter path: array}."""
     remaining = dict.fromkeys(shapes, 0)
@@ -124,13 +113,12 @@ def _read(path: pathlib.Path, plan: dict[str, list], shapes: dict, config) -> di
     buffers: dict[tuple, np.ndarray] = {}
     params: dict[tuple, jax.Array] = {}
     for file, entries in plan.items():
-        reader = SafetensorsFile(path / file)
         for name, tensor, index in entries:
             target = shapes[tensor.ours]
-            value = tensor.to_ours(reader.get(name), config)
+            value = tensor.to_ours(stored.get(name), config)
             if value.shape != target.shape[len(index) :]:
                 raise ValueError(
-                    f"{path / file}: {name} gives shape {value.shape} for "
+                    f"{stored.path / file}: {name} gives shape {value.shape} for "
                     f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index) :]}"
                 )
             if tensor.ours not in buffers:
@@ -186,12 +174,12 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32, *, allow_unused
     config = dataclasses.replace(family.config_from_hf(hf_config), param_dtype=_dtype_name(dtype))
     graphdef, state = abstract_model(config)
     shapes = flatten_dict(nnx.to_pure_dict(state))
-    files = weight_map(path)
-    plan = _plan(family, config, hf_config, _by_table_name(family, files, path), shapes, path)
+    stored = StoredTensors(path)
+    plan = _plan(family, config, hf_config, _by_table_name(family, stored.files, path), shapes, path)
     used = {name for entries in plan.values() for name, _, _ in entries}
-    unused = {name for name in files if name not in used and not family.nesting.skips(name)}
+    unused = {name for name in stored.files if name not in used and not family.nesting.skips(name)}
     unused_tensors(path, unused, config, hf_config, allow_unused, family.nesting)
-    params = _read(path, plan, shapes, config)
+    params = _read(stored, plan, shapes, config)
     params.update({ours: jnp.zeros(shapes[ours].shape, shapes[ours].dtype) for ours in family.zeros(config)})
     nnx.replace_by_pure_dict(state, unflatten_dict(params))
     return nnx.merge(graphdef, state)

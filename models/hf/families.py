@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.hf import deepseek, gemma3, gemma3_vision, llama, mistral, qwen
+from models.hf import deepseek, gemma3, gemma3_vision, gpt_oss, llama, mistral, qwen
 from models.hf.spec import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -17,6 +17,7 @@ FAMILIES: tuple[Family, ...] = (
     mistral.MIXTRAL_FAMILY,
     gemma3.FAMILY,
     gemma3_vision.FAMILY,
+    gpt_oss.FAMILY,
 )
 
 

@@ -24,16 +24,25 @@ ROPE_TYPES = {
     "llama3": ("llama3", ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")),
     "yarn": (
         "yarn",
-        ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"),
+        (
+            "factor",
+            "original_max_position_embeddings",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        ),
     ),
 }
-# Yarn fields transformers lets a config.json leave out -> the value that computes the same. A zero mscale or
-# mscale_all_dim means "absent" on both sides: the cos/sin factor then depends on `factor` alone and the softmax
-# scale is not changed.
+# Yarn fields transformers lets a config.json leave out (or set to a false value) -> the value that computes the
+# same. A zero mscale or mscale_all_dim means "absent" on both sides: the cos/sin factor then depends on `factor`
+# alone and the softmax scale is not changed.
 YARN_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.0, "mscale_all_dim": 0.0}
-ABSENT_WHEN_ZERO = ("mscale", "mscale_all_dim")
+# fields not written to a config.json when they have this value (transformers reads their absence so)
+OMITTED = {"mscale": 0.0, "mscale_all_dim": 0.0, "truncate": True}
 # rope parameters whose other values our rotary embedding cannot represent -> the value it needs
-REQUIRED = {"attention_factor": None, "truncate": True, "partial_rotary_factor": 1.0}
+REQUIRED = {"attention_factor": None, "partial_rotary_factor": 1.0}
 DEFAULT_THETA = 10000.0
 
 
@@ -56,6 +65,7 @@ def _fill_defaults(kind: str, params: dict, hf: dict) -> dict:
         if params.get("factor") is None and "max_position_embeddings" in hf:
             params["factor"] = hf["max_position_embeddings"] / params["original_max_position_embeddings"]
         params.update({name: params.get(name) or value for name, value in YARN_DEFAULTS.items()})
+        params["truncate"] = params.get("truncate", True)
     return params
 
 
@@ -86,7 +96,7 @@ def rope_from_hf(hf: dict, architecture: str, supported: tuple[str, ...]) -> dic
 
 def rope_to_hf(config: ModelConfig, architecture: str, supported: tuple[str, ...]) -> dict:
     """ModelConfig -> {"rope_theta": float, "rope_scaling": None or {"rope_type": ..., fields}} for config.json;
-    yarn's zero (absent) mscale / mscale_all_dim are left out."""
+    yarn's zero (absent) mscale / mscale_all_dim and a true truncate (transformers' default) are left out."""
     kinds = {ours: kind for kind, (ours, _) in ROPE_TYPES.items() if kind in supported}
     scaling = config.rope_scaling
     if scaling.type not in kinds:
@@ -98,6 +108,6 @@ def rope_to_hf(config: ModelConfig, architecture: str, supported: tuple[str, ...
     fields = dataclasses.asdict(scaling)
     rope_scaling = {
         "rope_type": kind,
-        **{name: fields[name] for name in ROPE_TYPES[kind][1] if fields[name] or name not in ABSENT_WHEN_ZERO},
+        **{name: fields[name] for name in ROPE_TYPES[kind][1] if name not in OMITTED or fields[name] != OMITTED[name]},
     }
     return {"rope_theta": config.rope_theta, "rope_scaling": None if kind == "default" else rope_scaling}

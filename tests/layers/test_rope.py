@@ -30,12 +30,14 @@ def reference_llama3(dim, theta, factor, low_freq_factor, high_freq_factor, orig
     return out
 
 
-def reference_yarn(dim, theta, factor, original, beta_fast, beta_slow):
+def reference_yarn(dim, theta, factor, original, beta_fast, beta_slow, truncate=True):
     def correction_dim(rotations):
         return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(beta_fast)), 0)
-    high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     width = (high - low) if high != low else 0.001
     out = []
     for i, freq in enumerate(reference_plain(dim, theta)):
@@ -69,8 +71,11 @@ def test_llama3_frequencies():
     assert np.any(ratio == 1.0) and np.any(ratio == 1 / 8) and np.any((ratio > 1 / 8) & (ratio < 1))
 
 
-@pytest.mark.parametrize("dim,theta,factor,original", [(64, 10000.0, 40.0, 4096), (128, 1e6, 4.0, 32768)])
-def test_yarn_frequencies(dim, theta, factor, original):
+@pytest.mark.parametrize(
+    "dim,theta,factor,original,truncate",
+    [(64, 10000.0, 40.0, 4096, True), (128, 1e6, 4.0, 32768, True), (64, 150000.0, 32.0, 4096, False)],
+)
+def test_yarn_frequencies(dim, theta, factor, original, truncate):
     scaling = SimpleNamespace(
         type="yarn",
         factor=factor,
@@ -79,9 +84,10 @@ def test_yarn_frequencies(dim, theta, factor, original):
         beta_slow=1.0,
         mscale=1.0,
         mscale_all_dim=1.0,
+        truncate=truncate,
     )
     inv_freq, _ = inverse_frequencies(dim, theta, scaling)
-    expected = reference_yarn(dim, theta, factor, original, 32.0, 1.0)
+    expected = reference_yarn(dim, theta, factor, original, 32.0, 1.0, truncate)
     np.testing.assert_allclose(inv_freq, expected, rtol=1e-6)
     ratio = np.asarray(expected) / np.asarray(reference_plain(dim, theta))
     assert np.isclose(ratio[0], 1.0) and np.isclose(ratio[-1], 1 / factor)

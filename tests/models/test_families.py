@@ -1,9 +1,9 @@
 """Each family's train step over context=8 ring equals one device's (loss and gradients, packed rows), the expert
 families' also with experts over expert x context, and q/k/v biases with q/k norms over tensor=4 with repeated
-key/value heads; sliding windows in layers that differ (scanned in groups; dense, MoE and Gemma 3's blocks) over
-context=8 ring with a document longer than the window and than a device's pieces, Gemma 3 also over tensor=4;
-biases and norm scales are random so that a misplaced one shows. The registry's expert families are the ones
-check_model lets have experts."""
+key/value heads; sliding windows in layers that differ (scanned in groups; dense, MoE, Gemma 3's and GPT-OSS's
+blocks) over context=8 ring with a document longer than the window and than a device's pieces, Gemma 3 and GPT-OSS
+also over tensor=4, GPT-OSS also over expert 2 x ring 4; biases, sinks and norm scales are random so that a misplaced
+one shows. The registry's expert families are the ones check_model lets have experts."""
 
 import dataclasses
 
@@ -59,6 +59,21 @@ WINDOWED = {
         tie_embeddings=True,
     ),
 }
+# GPT-OSS: layers alternating a window of 8 and full attention, q/k/v/o biases, sinks, router logit bias and clamped
+# SwiGLU experts with biases (a limit that random pre-activations pass)
+GPT_OSS = dataclasses.replace(
+    DENSE,
+    family="gpt_oss",
+    sliding_window=8,
+    layer_types=(SLIDING, FULL),
+    qkv_bias=True,
+    o_bias=True,
+    attention_sinks=True,
+    router_logit_bias=True,
+    expert_mlp="clamped_swiglu",
+    swiglu_limit=1.0,
+    **EXPERTS,
+)
 # both attention features at once, for tensor parallelism (features are fields, whatever the family)
 BIASED_NORMED = dataclasses.replace(DENSE, family="qwen2", qkv_bias=True, qk_norm=True)
 # capacity factor num_experts / experts_per_token: expert parallelism drops nothing
@@ -67,12 +82,12 @@ PLAIN = ParallelConfig(block_q=8, block_kv=8)
 
 
 def randomised(host_state):
-    """The state with attention biases N(0, 0.1) and norm scales 1 + N(0, 0.2) (they start at 0 and 1)."""
+    """The state with biases and sinks N(0, 0.1) and norm scales 1 + N(0, 0.2) (they start at 0 and 1)."""
     rng = np.random.default_rng(0)
 
     def change(path, leaf):
         name = jax.tree_util.keystr(path)
-        if name.startswith("[0]") and "_bias']['bias" in name:
+        if name.startswith("[0]") and name.endswith(("_bias']['bias']", "_bias']", "['sinks']")):
             return leaf + rng.normal(0.0, 0.1, leaf.shape).astype(leaf.dtype)
         if name.startswith("[0]") and "['scale']" in name:
             return leaf + rng.normal(0.0, 0.2, leaf.shape).astype(leaf.dtype)
@@ -105,6 +120,9 @@ def references():
         (FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         (BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
         (WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
+        (GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
+        (GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
+        (GPT_OSS, MeshConfig(fsdp=2, tensor=4), dataclasses.replace(PLAIN, expert_capacity_factor=4.0), packed_batch),
     ],
     ids=[
         *(f"{name}-ring8" for name in FAMILIES),
@@ -113,6 +131,9 @@ def references():
         "mixtral-expert2-ring4",
         "qkv-tensor4",
         "gemma3-tensor4",
+        "gpt_oss-long-document-ring8",
+        "gpt_oss-long-document-expert2-ring4",
+        "gpt_oss-tensor4",
     ],
 )
 def test_step_equals_one_device(references, model, mesh_config, parallel_config, make_batch):

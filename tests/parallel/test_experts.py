@@ -1,6 +1,7 @@
 """Expert parallelism (parallel/experts.py): an MoE block on 8 devices equals the one-device MoE in outputs, expert
-counts and gradients (both router kinds, capacity and ragged dispatch, chunked); drops equal a NumPy reference; the
-ragged dispatch's offsets and sizes move the right rows under ragged all-to-all's documented semantics."""
+counts and gradients (both router kinds and GPT-OSS's biased experts, capacity and ragged dispatch, chunked); drops
+equal a NumPy reference; the ragged dispatch's offsets and sizes move the right rows under ragged all-to-all's
+documented semantics."""
 
 import dataclasses
 
@@ -26,22 +27,31 @@ DROPLESS_PLAN = Plan(expert_capacity=DROPLESS)
 
 
 def make_moe(score: str) -> MoE:
-    sigmoid = score == "sigmoid"
+    """score sigmoid or softmax; clamped: GPT-OSS's experts (softmax routing with a logit bias, clamped SwiGLU experts
+    with biases), every bias random, so that a bias sent to the wrong expert shows."""
+    sigmoid, clamped = score == "sigmoid", score == "clamped"
     moe = MoE(
         EMBED,
         num_experts=EXPERTS,
         experts_per_token=K,
         moe_mlp_dim=MLP,
-        num_shared_experts=1,
+        num_shared_experts=0 if clamped else 1,
         n_group=4 if sigmoid else 1,
         topk_group=2 if sigmoid else 1,
-        norm_topk_prob=sigmoid,
-        routed_scaling_factor=2.5,
-        router_score=score,
+        norm_topk_prob=sigmoid or clamped,
+        routed_scaling_factor=1.0 if clamped else 2.5,
+        router_score="sigmoid" if sigmoid else "softmax",
+        router_logit_bias=clamped,
+        expert_mlp="clamped_swiglu" if clamped else "swiglu",
+        swiglu_limit=1.0,
         rngs=nnx.Rngs(0),
     )
     if sigmoid:
         moe.bias[...] = 0.1 * jax.random.normal(jax.random.key(2), (EXPERTS,))
+    if clamped:
+        for index, name in enumerate(("router_bias", "experts_gate_up_bias", "experts_down_bias")):
+            param = getattr(moe, name)
+            param[...] = 0.5 * jax.random.normal(jax.random.key(10 + index), param.shape)
     return moe
 
 
@@ -118,10 +128,13 @@ MESHES = {
 }
 
 
-# the router kind does not interact with the mesh: softmax runs on three meshes, sigmoid on all
-CAPACITY_CASES = [(name, "sigmoid") for name in MESHES] + [
-    (name, "softmax") for name in ("context8", "expert2-context4", "context2-tensor4")
-]
+# the router kind does not interact with the mesh: softmax runs on three meshes, GPT-OSS's experts on two, sigmoid on
+# all
+CAPACITY_CASES = (
+    [(name, "sigmoid") for name in MESHES]
+    + [(name, "softmax") for name in ("context8", "expert2-context4", "context2-tensor4")]
+    + [(name, "clamped") for name in ("expert2-context4", "fsdp2-expert2-tensor2")]
+)
 
 
 @pytest.mark.parametrize("name, score", CAPACITY_CASES)
@@ -211,14 +224,22 @@ def emulated_ragged_all_to_all(
     return result
 
 
-@pytest.mark.parametrize("name", ["expert2-context4", "context2-tensor4", "expert2-context4-chunked"])
-def test_ragged_dispatch_equals_one_device(monkeypatch, one_device, name):
+@pytest.mark.parametrize(
+    "name, score",
+    [
+        ("expert2-context4", "sigmoid"),
+        ("context2-tensor4", "sigmoid"),
+        ("expert2-context4-chunked", "sigmoid"),
+        ("expert2-context4", "clamped"),
+    ],
+)
+def test_ragged_dispatch_equals_one_device(monkeypatch, one_device, name, score):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
     mesh_config, plan = MESHES[name]
     plan = dataclasses.replace(plan, expert_dispatch="ragged")
     # factor = devices: a receive buffer of every device's assignments; EXPERTS / K >= 4 expert-parallel devices
-    y, counts, dropped, grad_x, grads = run(make_moe("sigmoid"), tokens(), mesh_config, plan)
-    ref_y, ref_counts, _, ref_grad_x, ref_grads = one_device("sigmoid")
+    y, counts, dropped, grad_x, grads = run(make_moe(score), tokens(), mesh_config, plan)
+    ref_y, ref_counts, _, ref_grad_x, ref_grads = one_device(score)
     assert_close(y, ref_y, "output")
     np.testing.assert_array_equal(counts, ref_counts)
     assert dropped == 0

@@ -121,6 +121,19 @@ def test_a_plan_takes_the_model_from_init_but_not_its_parameters(tmp_path):
     assert config.checkpoint.init_from == "" and config.model.embed_dim == IMPORTED.embed_dim
 
 
+@pytest.mark.parametrize("name, layers, experts", [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)])
+def test_gpt_oss_configs_have_expected_fields(name, layers, experts):
+    model = load_config(CONFIGS / "models" / f"{name}.yaml").model
+    assert (model.num_layers, model.num_experts, model.experts_per_token, model.sliding_window) == (
+        layers,
+        experts,
+        4,
+        128,
+    )
+    assert model.layer_kinds == ("sliding_attention", "full_attention") * (layers // 2)
+    assert model.rope_scaling.truncate is False and model.expert_mlp == "clamped_swiglu"
+
+
 @pytest.mark.parametrize(
     "overrides, words",
     [
@@ -212,6 +225,11 @@ def test_llama_configs_have_expected_fields():
         (["checkpoint.init_from=/does/not/exist"], ["checkpoint.init_from", "/does/not/exist", "does not exist"]),
         (["train.steps"], ["train.steps", "section.key=value"]),
         (["data.eval_fraction=0"], ["data.eval_fraction=0", "train.eval_batches=4", "must be 0"]),
+        (["model.expert_mlp=geglu"], ["model.expert_mlp", "'geglu'", "swiglu", "clamped_swiglu"]),
+        (
+            ["model.expert_mlp=clamped_swiglu", "model.swiglu_limit=0"],
+            ["model.swiglu_limit=0", "> 0", "clamped_swiglu"],
+        ),
         (["model.sliding_window=-1"], ["model.sliding_window=-1", ">= 0"]),
         (["model.layer_types=[full_attention]"], ["model.layer_types has 1 entries", "model.num_layers=4"]),
         (["model.num_layers=2", "model.layer_types=[full_attention, local]"], ["model.layer_types", "'local'"]),
@@ -255,6 +273,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "model.rope_scaling.type": rope.SCALINGS,
         "model.param_dtype": dtypes.PARAM_DTYPES,
         "model.router_score": moe.ROUTER_SCORES,
+        "model.expert_mlp": moe.EXPERT_MLPS,
         "compute.dtype": ("auto", *dtypes.DTYPES),
         "optimizer.mu_dtype": ("param", *dtypes.PARAM_DTYPES),
         "compute.remat_policy": remat.POLICIES,

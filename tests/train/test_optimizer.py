@@ -55,6 +55,36 @@ def test_weight_decay_spares_norm_scales():
     assert mask["layers"]["attn"]["q"] is True and mask["embed"]["embedding"] is True
 
 
+def test_weight_decay_spares_biases_and_sinks():
+    """GPT-OSS's attention and expert biases, router logit bias and sinks are not decayed; its matrices are."""
+    config = ModelConfig(
+        family="gpt_oss",
+        vocab_size=32,
+        embed_dim=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        mlp_dim=32,
+        qkv_bias=True,
+        o_bias=True,
+        attention_sinks=True,
+        num_experts=4,
+        experts_per_token=2,
+        moe_mlp_dim=8,
+        router_score="softmax",
+        router_bias_rate=0.0,
+        router_logit_bias=True,
+        expert_mlp="clamped_swiglu",
+    )
+    model = nnx.eval_shape(lambda: models.build(config, rngs=nnx.Rngs(0)))
+    mask = nnx.to_pure_dict(decay_mask(nnx.state(model, nnx.Param)))["moe_layers"]
+    attn, moe = mask["attn"], mask["moe"]
+    assert not any([attn["q_bias"]["bias"], attn["o_bias"]["bias"], attn["sinks"], moe["router_bias"]])
+    assert not moe["experts_gate_up_bias"] and not moe["experts_down_bias"]
+    assert attn["o"] and moe["router"] and moe["experts_gate_up"] and moe["experts_down"]
+
+
 @pytest.mark.parametrize(
     "mu_dtype, param_dtype, mu, nu",
     [

@@ -1,6 +1,6 @@
-"""The 128K recipes fit 80 GiB per device in `--plan`: Qwen3-8B on 8 devices and Qwen3-30B-A3B on 16 (about 10 s
-each), DeepSeek-V2-Lite on 8 and V3 on 256 (slow: each compiles the full-size step for simulated CPU devices, about
-a minute each; `python -m pytest -m slow`)."""
+"""The 128K recipes fit 80 GiB per device in `--plan`: Qwen3-8B on 8 devices, Qwen3-30B-A3B on 16 and gpt-oss-20b on
+8 (about 10 s each), DeepSeek-V2-Lite on 8 and V3 on 256 (slow: each compiles the full-size step for simulated CPU
+devices, about a minute each; `python -m pytest -m slow`)."""
 
 import pathlib
 import subprocess
@@ -32,8 +32,11 @@ def plan(name: str, devices: int) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("name, devices", [("finetune-128k-qwen3-8b", 8), ("finetune-128k-qwen3-30b-a3b", 16)])
-def test_qwen3_128k_recipe_fits_80_gib(name, devices):
+@pytest.mark.parametrize(
+    "name, devices",
+    [("finetune-128k-qwen3-8b", 8), ("finetune-128k-qwen3-30b-a3b", 16), ("finetune-128k-gpt-oss-20b", 8)],
+)
+def test_128k_recipe_fits_80_gib(name, devices):
     done = plan(name, devices)
     assert done.returncode == 0 and "fits" in done.stdout, done.stdout + done.stderr
 
