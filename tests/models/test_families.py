@@ -2,8 +2,9 @@
 families' also with experts over expert x context, and q/k/v biases with q/k norms over tensor=4 with repeated
 key/value heads; sliding windows in layers that differ (scanned in groups; dense, MoE, Gemma 3's and GPT-OSS's
 blocks) over context=8 ring with a document longer than the window and than a device's pieces, Gemma 3 and GPT-OSS
-also over tensor=4, GPT-OSS also over expert 2 x ring 4; biases, sinks and norm scales are random so that a misplaced
-one shows. The registry's expert families are the ones check_model lets have experts."""
+also over tensor=4 and under all_gather, ulysses and usp, GPT-OSS also over expert 2 x ring 4; biases, sinks and
+norm scales are random so that a misplaced one shows. The registry's expert families are the ones check_model lets
+have experts."""
 
 import dataclasses
 
@@ -79,6 +80,12 @@ BIASED_NORMED = dataclasses.replace(DENSE, family="qwen2", qkv_bias=True, qk_nor
 # capacity factor num_experts / experts_per_token: expert parallelism drops nothing
 RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)
 PLAIN = ParallelConfig(block_q=8, block_kv=8)
+# the other context strategies, with the mesh each takes: the windowed, sink-carrying families run under each
+STRATEGIES = {
+    "all_gather": (MeshConfig(fsdp=1, context=8), dataclasses.replace(RING, context_strategy="all_gather")),
+    "ulysses": (MeshConfig(fsdp=1, context=8), dataclasses.replace(RING, context_strategy="ulysses")),
+    "usp": (MeshConfig(fsdp=1, context=4, ulysses=2), dataclasses.replace(RING, context_strategy="usp")),
+}
 
 
 def randomised(host_state):
@@ -123,6 +130,8 @@ def references():
         (GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
         (GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
         (GPT_OSS, MeshConfig(fsdp=2, tensor=4), dataclasses.replace(PLAIN, expert_capacity_factor=4.0), packed_batch),
+        *((GPT_OSS, *STRATEGIES[name], long_document_batch) for name in STRATEGIES),
+        *((WINDOWED["gemma3"], *STRATEGIES[name], long_document_batch) for name in STRATEGIES),
     ],
     ids=[
         *(f"{name}-ring8" for name in FAMILIES),
@@ -134,6 +143,8 @@ def references():
         "gpt_oss-long-document-ring8",
         "gpt_oss-long-document-expert2-ring4",
         "gpt_oss-tensor4",
+        *(f"gpt_oss-long-document-{name}" for name in STRATEGIES),
+        *(f"gemma3-long-document-{name}" for name in STRATEGIES),
     ],
 )
 def test_step_equals_one_device(references, model, mesh_config, parallel_config, make_batch):
