@@ -10,9 +10,7 @@ import parallel
 from layers.mlp import SwiGLU
 from layers.norm import RMSNorm
 from models import llama
-from models.config import FULL, ComputeConfig, ModelConfig
-from models.decoder import Decoder
-from models.stack import make_layers, run_layers
+from models.config import FULL, ModelConfig
 
 NORM_OFFSET = 1.0  # Gemma's RMSNorm scales by 1 + weight
 
@@ -38,19 +36,10 @@ class Block(nnx.Module):
         return parallel.residual(x + self.post_mlp_norm(self.mlp(self.mlp_norm(x)))), None
 
 
-class Gemma3(Decoder):
-    """A stack of `num_layers` Gemma blocks of the config's layer kinds between the scaled embedding and the tied or
-    untied head, behind Gemma's final norm."""
+class Gemma3(llama.Llama):
+    """Llama's stack of Gemma blocks of the config's layer kinds between the scaled embedding and the tied or untied
+    head, behind Gemma's final norm."""
 
+    block = Block
     norm_offset = NORM_OFFSET
     scale_embeddings = True
-
-    def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
-        super().__init__(config, compute, rngs=rngs)
-        kw = self.dtypes()
-        self.layers = make_layers(lambda kind, r: Block(config, kind, rngs=r, **kw), config.layer_kinds, rngs)
-
-    def blocks(self, x, positions, segment_ids):
-        """-> (x, {}): dense blocks report nothing."""
-        x, _ = run_layers(self.layers, x, positions, segment_ids, remat_policy=self.compute.remat_policy)
-        return x, {}

@@ -50,13 +50,15 @@ class Block(block.Block):
 
 
 class Llama(Decoder):
-    """A stack of `num_layers` dense blocks of the config's layer kinds between the shared embedding and head (see
-    models/decoder.py)."""
+    """A stack of `num_layers` dense blocks (`block`: (config, kind, rngs=, **dtypes) -> a block) of the config's
+    layer kinds between the shared embedding and head (see models/decoder.py)."""
+
+    block = Block
 
     def __init__(self, config: ModelConfig, compute: ComputeConfig, *, rngs: nnx.Rngs):
         super().__init__(config, compute, rngs=rngs)
         kw = self.dtypes()
-        self.layers = make_layers(lambda kind, r: Block(config, kind, rngs=r, **kw), config.layer_kinds, rngs)
+        self.layers = make_layers(lambda kind, r: self.block(config, kind, rngs=r, **kw), config.layer_kinds, rngs)
 
     def blocks(self, x, positions, segment_ids):
         """-> (x, {}): dense blocks report nothing."""
