@@ -52,11 +52,8 @@ QUANTIZATION = "mxfp4"  # the quant_method whose tensors are read dequantized
 FIELDS = {
     "qk_norm": False,
     "attention_sinks": True,
-    "router_score": "softmax",
+    **gqa.SOFTMAX_EXPERTS,
     "norm_topk_prob": True,
-    "num_shared_experts": 0,
-    "n_group": 1,
-    "routed_scaling_factor": 1.0,
     "first_dense_layers": 0,
     "router_logit_bias": True,
     "expert_mlp": "clamped_swiglu",

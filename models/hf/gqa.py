@@ -24,6 +24,10 @@ from models.hf.spec import (
     transpose,
 )
 
+# ModelConfig fields of softmax top-k routing over routed experts alone (Qwen3-MoE, Mixtral, GPT-OSS): no shared
+# expert, no expert groups, no scaling of the routed output
+SOFTMAX_EXPERTS = {"router_score": "softmax", "num_shared_experts": 0, "n_group": 1, "routed_scaling_factor": 1.0}
+
 
 def config_from_hf(hf: dict, family: str, architecture: str, required: dict, rope_types, **fields) -> ModelConfig:
     """ModelConfig of a config.json whose left-out keys the caller filled with its config class's defaults:

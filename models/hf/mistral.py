@@ -31,15 +31,7 @@ MIXTRAL_DEFAULTS = {
 }
 # ModelConfig fields each architecture holds only with these values
 FIELDS = {"qkv_bias": False, "qk_norm": False}
-MIXTRAL_FIELDS = {
-    **FIELDS,
-    "router_score": "softmax",
-    "norm_topk_prob": True,
-    "num_shared_experts": 0,
-    "n_group": 1,
-    "routed_scaling_factor": 1.0,
-    "first_dense_layers": 0,
-}
+MIXTRAL_FIELDS = {**FIELDS, **gqa.SOFTMAX_EXPERTS, "norm_topk_prob": True, "first_dense_layers": 0}
 MIXTRAL_EXPERTS = {"gate": "w1", "up": "w3", "down": "w2"}  # our expert matrix -> Mixtral's name
 
 

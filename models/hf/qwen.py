@@ -39,13 +39,7 @@ QWEN3_MOE_DEFAULTS = {
 # ModelConfig fields each architecture holds only with these values
 QWEN2_FIELDS = {"qkv_bias": True, "qk_norm": False}
 QWEN3_FIELDS = {"qkv_bias": False, "qk_norm": True}
-QWEN3_MOE_FIELDS = {
-    **QWEN3_FIELDS,
-    "router_score": "softmax",
-    "num_shared_experts": 0,
-    "n_group": 1,
-    "routed_scaling_factor": 1.0,
-}
+QWEN3_MOE_FIELDS = {**QWEN3_FIELDS, **gqa.SOFTMAX_EXPERTS}
 
 
 def qwen2_config_from_hf(hf: dict) -> ModelConfig:
