@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from bench.collectives import BYTES
 from bench.report import ratio
 from models.deepseek import Block
 from parallel.mesh import make_mesh, state_shardings
@@ -73,7 +74,6 @@ QUICK = dataclasses.replace(
     moe_mlp_dim=256,
 )
 FACTOR = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2}
-BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1}
 
 
 def moved_bytes(hlo: str) -> dict[str, float]:
