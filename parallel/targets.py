@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import pathlib
 import re
 
-GPU_INSTALL = "pip install -e '.[gpu]' (JAX's CUDA plugin at the pinned JAX version)"
+from parallel import compat
+
+GPU_INSTALL = "pip install -e '.[cuda13]' or '.[cuda12]' (JAX's CUDA plugin at the installed JAX version)"
 GPUS_PER_HOST = 8
 SPECS = pathlib.Path(__file__).with_name("gpu_targets")
 
@@ -63,11 +64,8 @@ def topology(count: int) -> str:
 
 
 def plugin_installed() -> bool:
-    """Whether JAX's CUDA plugin (which holds XLA's GPU compiler) is installed."""
-    try:
-        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-    except ModuleNotFoundError:  # no jax_plugins package at all
-        return False
+    """Whether JAX's CUDA plugin (which holds XLA's GPU compiler), for CUDA 12 or 13, is installed."""
+    return compat.cuda_plugin() is not None
 
 
 def compile_only_devices(name: str, count: int) -> tuple:

@@ -13,6 +13,7 @@ import pathlib
 
 import jax
 
+from parallel import compat
 from train import peers
 from train.config import ConfigError
 
@@ -87,5 +88,5 @@ def initialize(cluster: Cluster, timeouts: peers.Timeouts, checkpoints: pathlib.
             f"(or {', '.join(ENVIRONMENT.values())})"
         ) from None
     if jax.process_count() > 1:
-        store = jax._src.distributed.global_state.client  # the coordination service's key-value store
+        store = compat.distributed_state().client  # the coordination service's key-value store
         peers.watch(peers.Watchdog(store, jax.process_index(), jax.process_count(), timeouts, checkpoints))

@@ -30,6 +30,8 @@ from collections.abc import Callable
 
 import jax
 
+from parallel import compat
+
 PEER_LOST = 5  # exit status of a process stopped because a peer stopped or hung
 PREFIX = "longctx/peers/"
 DONE = -1  # the beat a process publishes when it has finished: its silence after that is not a failure
@@ -176,7 +178,7 @@ def coordinator_down(address: str) -> bool:
 def _aborting(signum: int) -> None:
     """SIGABRT from XLA (it has written why): the watchdog's line instead of a core dump, and PEER_LOST."""
     del signum
-    coordinator = jax._src.distributed.global_state.coordinator_address
+    coordinator = compat.distributed_state().coordinator_address
     if _active.process and coordinator and coordinator_down(coordinator):
         what = f"process 0 of {_active.count} (the coordinator, {coordinator}) stopped"
     else:

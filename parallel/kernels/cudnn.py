@@ -1,7 +1,7 @@
 """cuDNN flash attention on packed rows (THD: per-segment lengths and offsets), behind the kernel interface.
 
-It calls JAX's cuDNN primitives directly (jax._src.cudnn.fused_attention_stablehlo), not the public wrapper,
-whose VJP drops the softmax statistics' cotangent. What the primitives give and this module adapts:
+It calls JAX's cuDNN primitives directly (jax._src.cudnn.fused_attention_stablehlo, through parallel/compat.py), not
+the public wrapper, whose VJP drops the softmax statistics' cotangent. What the primitives give and this module adapts:
 
 - Masks: cuDNN knows segments (from seqlens / offsets) and top-left causality within a segment, not global token
   indices. So a call is served only when queries and keys are each in increasing global order (then every
@@ -47,13 +47,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.cudnn import fused_attention_stablehlo as fa
 
+from parallel import compat
 from parallel.kernels import blockwise
 from parallel.kernels.arguments import Options, Tokens
 from parallel.lse_merge import merge
 from parallel.segments import INT32_MAX, seqlens_offsets
 
+fa = compat.cudnn_attention()
 DIAGONAL, ALL_VISIBLE, GENERAL, HALVES = 0, 1, 2, 3
 MASKS = {DIAGONAL: fa.MaskType.PADDING_CAUSAL, ALL_VISIBLE: fa.MaskType.PADDING}
 MAX_SEGMENTS = 64
@@ -73,7 +74,7 @@ class Primitives(NamedTuple):
     backward: object
 
 
-CUDNN = Primitives(fa._dot_product_attention_fwd_p_wrapper.bind, fa._dot_product_attention_bwd_p_wrapper.bind)
+CUDNN = Primitives(*compat.cudnn_binds())
 
 
 class Metadata(NamedTuple):

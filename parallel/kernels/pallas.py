@@ -27,8 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from parallel import compat
 from parallel.kernels.arguments import Options, Tokens
 from parallel.segments import INT32_MAX
 
@@ -75,7 +75,7 @@ def _config(kernel: str, q, k, v, options: Options):
     held, streamed = _tiles(kernel, dqk, dv, max(x.dtype.itemsize for x in (q, k, v)))
     cap_q, cap_kv = (streamed, held) if kernel == "dkdv" else (held, streamed)
     bq, bk = _block(q.shape[1], min(options.block_q, cap_q)), _block(k.shape[1], min(options.block_kv, cap_kv))
-    return bq, bk, plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return bq, bk, compat.triton_compiler_params(NUM_WARPS, NUM_STAGES)
 
 
 def _load(refs: Tokens, at=...) -> Tokens:
