@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from parallel import compat  # first of the package: refuses a JAX outside the supported range
+from parallel import compat  # noqa: F401  first of the package: refuses a JAX outside the supported range
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
 from parallel.plan import current_plan
