@@ -90,6 +90,16 @@ def _topology_devices(spec: Target, shape: str) -> tuple:
     return tuple(topologies.get_topology_desc(platform="cuda", topology=shape, target_config=spec.config).devices)
 
 
+def target_mesh(devices) -> object:
+    """A one-axis mesh ("devices") over compile-only `devices`. Compile inside `jax.set_mesh(target_mesh(...))` when
+    the program holds Pallas kernels and no mesh of its own: JAX 0.11 and newer take the GPU a Triton kernel lowers
+    for from the mesh's devices (else from a concrete GPU, which this machine need not have)."""
+    import jax
+    import numpy as np
+
+    return jax.sharding.Mesh(np.asarray(devices), ("devices",))
+
+
 def gpu_present() -> bool:
     """Whether this machine has an NVIDIA GPU (its device nodes), asked without starting a JAX backend."""
     return any(pathlib.Path("/dev").glob("nvidia[0-9]*"))

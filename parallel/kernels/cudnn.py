@@ -15,8 +15,11 @@ the public wrapper, whose VJP drops the softmax statistics' cotangent. What the 
   traced ones compile every kind the call could be.
 - Metadata: a row's segment id s occupies slot s - (smallest query id of the row); each segment must be one
   contiguous run of the row (documents are; so are a load-balanced piece's, which keeps global order). A row's
-  query ids may span at most `max_segments` ids: a call with more runs the general kernel (a run-time branch),
-  since the statistics cost batch x max_segments x heads x tq floats. Empty slots are -1 in both
+  query ids may span at most m ids: a call with more runs the general kernel (a run-time branch). cuDNN pads every
+  slot to the call's length: its backward keeps a float32 dq accumulator and two float32 statistics per slot x head x
+  query, batch x m x heads x tq x (width + 2) x 4 bytes (128 GiB for 64 slots of a 128K-token row of 32 heads of
+  128). So m is as many slots as fit in `slot_bytes` (4 GiB), at least 2 and at most `max_segments`. Empty slots are
+  -1 in both
   seqlens and offsets (a 0 length would stay in the primitive's left-shifted list while its -1 offset leaves it).
 - GQA: the primitive scales key / value offsets by the QUERY head count, so K / V are repeated to the query heads
   and dK / dV summed back over each group.
@@ -58,6 +61,7 @@ fa = compat.cudnn_attention()
 DIAGONAL, ALL_VISIBLE, GENERAL, HALVES = 0, 1, 2, 3
 MASKS = {DIAGONAL: fa.MaskType.PADDING_CAUSAL, ALL_VISIBLE: fa.MaskType.PADDING}
 MAX_SEGMENTS = 64
+SLOT_BYTES = 4 << 30  # cuDNN's per-slot buffers of one call (see slots)
 
 
 class Unservable(ValueError):
@@ -172,6 +176,15 @@ def runtime_kind(q: Tokens, kv: Tokens, causal: bool = True):
 def _base(q_seg):
     """[batch, tq] ids -> [batch, 1] int32: one below the row's smallest query id (slot s = id - base)."""
     return jnp.min(jnp.where(q_seg > 0, q_seg, INT32_MAX), axis=1, keepdims=True) - 1
+
+
+def slots(q_shape, dv: int, max_segments: int = MAX_SEGMENTS, slot_bytes: int = SLOT_BYTES) -> int:
+    """Segment slots of a call with queries of q_shape [batch, tq, heads, dqk] and value head dim dv: as many as keep
+    cuDNN's float32 per-slot buffers (batch x slots x heads x tq x (padded width + 2)) within slot_bytes, at least 2
+    (one slot is the primitive's unpacked layout, which ignores offsets) and at most max_segments."""
+    batch, tq, heads, dqk = q_shape
+    per_slot = batch * tq * heads * (_width(dqk, dv, 2) + 2) * 4
+    return max(2, min(max_segments, slot_bytes // per_slot))
 
 
 def too_many_segments(q_seg, max_segments: int):
@@ -361,17 +374,17 @@ def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scal
 
 def forward(
     q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, out_dtype=None, max_segments=MAX_SEGMENTS,
-    primitives=CUDNN, general=blockwise.forward,
+    slot_bytes=SLOT_BYTES, primitives=CUDNN, general=blockwise.forward,
 ):  # fmt: skip
     """parallel.kernels.blockwise.forward's arguments and results: (out [b, tq, h, dv] in `out_dtype` (default q's),
     lse [b, tq, h] float32). Raises Unservable for static indices cuDNN cannot mask (see call_kind); traced ones that
-    turn out general, and rows with more than max_segments segments, run `general` (a forward of the same
-    signature: the blockwise kernel, or Pallas on GPU), as does every call with a sliding window (see the module
-    docstring). The served kinds and the switch between them see the segment ids only; the indices stay as given
-    (static or traced)."""
+    turn out general, and rows with more segments than `slots` gives the call (from max_segments and slot_bytes),
+    run `general` (a forward of the same signature: the blockwise kernel, or Pallas on GPU), as does every call
+    with a sliding window (see the module docstring). The served kinds and the switch between them see the segment
+    ids only; the indices stay as given (static or traced)."""
     if options.window is not None:
         return general(q, k, v, q_tokens, kv_tokens, options=options, out_dtype=out_dtype or q.dtype)
-    max_segments = max(2, max_segments)
+    max_segments = slots(q.shape, v.shape[-1], max_segments, slot_bytes)
     kind = call_kind(q_tokens.index, kv_tokens.index, options.causal)
     _check(q, v.shape[-1], primitives)
     served = functools.partial(_served_forward, scale=options.scale, max_segments=max_segments, primitives=primitives)
@@ -405,7 +418,7 @@ def forward(
 
 def backward(
     q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, grad_dtype=None,
-    accumulate=None, max_segments=MAX_SEGMENTS, primitives=CUDNN, general=blockwise.backward,
+    accumulate=None, max_segments=MAX_SEGMENTS, slot_bytes=SLOT_BYTES, primitives=CUDNN, general=blockwise.backward,
 ):  # fmt: skip
     """parallel.kernels.blockwise.backward's arguments and results: (dq, dk, dv) given the final out / lse and their
     cotangents (dlse may be None), in `grad_dtype` (default: q, k, v's dtypes), or added into `accumulate` sums in
@@ -414,7 +427,7 @@ def backward(
     if options.window is not None:
         args = (q, k, v, q_tokens, kv_tokens, out, lse, dout, dlse)
         return general(*args, options=options, grad_dtype=grad_dtype, accumulate=accumulate)
-    max_segments = max(2, max_segments)
+    max_segments = slots(q.shape, v.shape[-1], max_segments, slot_bytes)
     kind = call_kind(q_tokens.index, kv_tokens.index, options.causal)
     _check(q, v.shape[-1], primitives)
     served = functools.partial(_served_backward, scale=options.scale, max_segments=max_segments, primitives=primitives)

@@ -35,7 +35,8 @@ KERNELS = ["attention_dkdv", "attention_dq", "attention_forward"]
 def compile_for_h100(dqk: int, dv: int, length: int, dtype, causal: bool, window: int | None = None) -> str:
     """The compiled HLO text of pallas.forward and pallas.backward (given the forward's out and lse as cotangents;
     only shapes matter) for one H100, batch 1."""
-    sharding = jax.sharding.SingleDeviceSharding(targets.compile_only_devices("h100", 1)[0])
+    device = targets.compile_only_devices("h100", 1)[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
     spec = lambda *shape, dtype=dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
     args = (
         spec(1, length, HEADS, dqk),
@@ -51,7 +52,8 @@ def compile_for_h100(dqk: int, dv: int, length: int, dtype, causal: bool, window
         out, lse = pallas.forward(q, k, v, tokens, tokens, options=options)
         return pallas.backward(q, k, v, tokens, tokens, out, lse, out, lse, options=options)
 
-    return jax.jit(step).trace(*args).lower().compile().as_text()
+    with jax.set_mesh(targets.target_mesh([device])):
+        return jax.jit(step).trace(*args).lower().compile().as_text()
 
 
 def triton_kernels(text: str) -> list[str]:

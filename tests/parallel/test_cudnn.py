@@ -92,6 +92,28 @@ def test_too_many_segments_run_the_blockwise_kernel():
     assert np.isnan(np.asarray(run(*standin, *args)[0])).all()
 
 
+def test_slots_keep_cudnns_padded_buffers_within_the_budget():
+    """cuDNN pads each slot to the call's length (64 slots of a 128K-token row of 32 heads of 128 took 147 GiB on an
+    H200): a call takes the slots that fit slot_bytes, at least 2, at most max_segments; a row with more documents
+    than its slots runs the general kernel, the primitives untaken."""
+    assert cudnn.slots((1, 131072, 32, 128), 128) == 2
+    assert cudnn.slots((1, 16384, 32, 128), 128) == 14  # a 128K row's ring step over 8 devices
+    assert cudnn.slots((2, LENGTH, 4, 64), 64) == cudnn.MAX_SEGMENTS
+    seg = jnp.asarray(np.repeat(np.arange(1, 13, dtype=np.int32), 4)[None].repeat(2, 0))
+    q, k, v = inputs(*HEADS["gqa"])
+    per_slot = q.shape[0] * LENGTH * q.shape[2] * (cudnn._width(q.shape[-1], v.shape[-1], 2) + 2) * 4
+    index = np.arange(LENGTH)
+    args = (q, k, v, Tokens(seg, index), Tokens(seg, index), True)
+    standin = [
+        functools.partial(f, primitives=POISONED, slot_bytes=8 * per_slot) for f in (cudnn.forward, cudnn.backward)
+    ]
+    assert_same(run(*standin, *args), run(blockwise.forward, blockwise.backward, *args))
+    standin = [
+        functools.partial(f, primitives=POISONED, slot_bytes=12 * per_slot) for f in (cudnn.forward, cudnn.backward)
+    ]
+    assert np.isnan(np.asarray(run(*standin, *args)[0])).all()
+
+
 def test_stats_and_lse_round_trip():
     """lse -> stats -> lse is the identity on tokens in a segment and -inf elsewhere; stats rows are the non-empty
     slots of all rows in order, columns positions within the segment."""

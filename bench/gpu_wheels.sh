@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The wheels a GPU machine with JAX's image but no package registry lacks (grain with array-record and portpicker,
+# tensorboardX), for CPython 3.12 on x86-64, downloaded into DIR (default .whl) on a machine that reaches PyPI.
+# On the GPU machine, from the repository root:
+#   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl && export PYTHONPATH=/tmp/site
+#   python3 bench/on_gpu.py --out /tmp/on_gpu
+set -euo pipefail
+dir="${1:-.whl}"
+platforms=()
+for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
+  platforms+=(--platform "$tag")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
+  --implementation cp "${platforms[@]}" -d "$dir" \
+  grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 tensorboardX==2.6.5
+ls -l "$dir"
