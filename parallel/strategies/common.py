@@ -107,4 +107,20 @@ def run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks=None):
         body = lambda q, k, v, seg: local(q, k, v, seg, None)
     else:
         body, operands, in_specs = local, (*operands, sinks), (*in_specs, PartitionSpec(q_spec[2]))
+    in_specs, q_spec = tuple(mention_unit_axes(spec, mesh) for spec in in_specs), mention_unit_axes(q_spec, mesh)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*operands)
+
+
+def mention_unit_axes(spec: PartitionSpec, mesh) -> PartitionSpec:
+    """`spec` with every mesh axis of size 1 it leaves out added to its first dimension (the same layout).
+
+    A shard_map with check_vma=False transposes an input by summing its cotangent over every mesh axis the input's
+    spec leaves out. Over axes of size 1 that psum adds nothing, yet XLA keeps it: an all-reduce of every q / k / v
+    gradient over one-device groups (JAX 0.12's XLA prints those groups as mesh axes, `replica_groups=mesh[...]
+    {'fsdp','expert','context','ulysses'}`, older ones as `{{0},{1},...}`). Mentioning the axes leaves no psum."""
+    used = {name for entry in spec if entry is not None for name in axis_names(entry)}
+    unit = tuple(name for name in mesh.axis_names if mesh.shape[name] == 1 and name not in used)
+    if not unit or not len(spec):
+        return spec
+    first = () if spec[0] is None else axis_names(spec[0])
+    return PartitionSpec((*first, *unit), *spec[1:])
