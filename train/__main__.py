@@ -148,8 +148,8 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument(
         "--target",
         choices=tuple(targets.TARGETS),
-        help="with --plan: compile for this GPU (no GPU needed; needs the gpu extra: pip install -e '.[gpu]') and "
-        "plan from XLA's GPU compiler; the fit verdict defaults to the memory a run lets XLA take",
+        help="with --plan: compile for this GPU (no GPU needed; needs a CUDA plugin: pip install -e '.[cuda13]' or "
+        "'.[cuda12]') and plan from XLA's GPU compiler; the fit verdict defaults to the memory a run lets XLA take",
     )
     parser.add_argument(
         "--device-memory",
