@@ -37,6 +37,12 @@ the public wrapper, whose VJP drops the softmax statistics' cotangent. What the 
 - Sliding windows: the primitive's window counts positions within a segment of the packed layout, which is the
   global window only on the diagonal of an unsplit document; a ring step or a load-balanced chunk is neither, so
   every windowed call runs the general kernel.
+- Unused operands: the binds take a bias and two page tables this module never uses (no bias in variadic_args, and
+  paging only for rank-4 tables), so their lowering drops them. They are one element, not zero (JAX's own wrapper
+  passes zero-element arrays): JAX's partial evaluation can turn them into operands of the strategy's shard_map
+  (the grad of a layer scan hoists what depends only on the loop-invariant segment ids out of the loop; under the
+  ring's step scan they stack to [steps, 0]), and XLA's Shardy import in JAX 0.11 segfaults on a manual computation
+  with a zero-element operand it has folded to a constant (ManualComputationUnusedInputsPattern).
 
 `Primitives` holds the two primitive binds; tests pass a dense stand-in with the same signature.
 """
@@ -62,6 +68,7 @@ DIAGONAL, ALL_VISIBLE, GENERAL, HALVES = 0, 1, 2, 3
 MASKS = {DIAGONAL: fa.MaskType.PADDING_CAUSAL, ALL_VISIBLE: fa.MaskType.PADDING}
 MAX_SEGMENTS = 64
 SLOT_BYTES = 4 << 30  # cuDNN's per-slot buffers of one call (see slots)
+UNUSED_SHAPE = (1,)  # the binds' unused bias / page-table operands: one element, never zero (module docstring)
 
 
 class Unservable(ValueError):
@@ -328,14 +335,20 @@ def _check(q, dv: int, primitives: Primitives):
         fa.check_is_flash_attention(padded, padded, padded, fa.AttentionLayout.BTNH.value, version, False, True, True)
 
 
+def _unused(dtype):
+    """The binds' bias and page-table operands, which no served call uses (the lowering drops them): one element, so
+    that no zero-element array can become a shard_map operand (module docstring)."""
+    return jnp.zeros(UNUSED_SHAPE, dtype)
+
+
 def _served_forward(kind, q, k, v, q_seg, kv_seg, *, scale, max_segments, primitives):
     """One served kind: (out [b, tq, h, dv] in q's dtype, lse [b, tq, h] float32)."""
     dv = v.shape[-1]
     meta = metadata(q_seg, kv_seg, max_segments)
     qp, kp, vp = _operands(q, k, v, _width(q.shape[-1], dv, 0))
-    empty = jnp.zeros((0,), q.dtype)
+    unused = _unused(q.dtype)
     out, stats = primitives.forward(
-        qp, kp, vp, empty, meta.q_seqlen, meta.kv_seqlen, meta.q_offsets, meta.kv_offsets, empty, empty,
+        qp, kp, vp, unused, meta.q_seqlen, meta.kv_seqlen, meta.q_offsets, meta.kv_offsets, unused, unused,
         **_params(kind, scale), is_training=True,
     )  # fmt: skip
     out = jnp.where(meta.q_valid[..., None, None], out[..., :dv], 0).astype(q.dtype)
@@ -357,9 +370,9 @@ def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scal
         out = out.at[..., dv].set(-hi).at[..., dv + 1].set(-lo)
         dout = dout.at[..., dv : dv + 2].set(1)
     stats = stats_from_lse(lse, meta, batch * max_segments)
-    empty = jnp.zeros((0,), q.dtype)
+    unused = _unused(q.dtype)
     dq, dk, dv_ = primitives.backward(
-        qp, kp, vp, empty, meta.q_seqlen, meta.kv_seqlen, meta.q_offsets, meta.kv_offsets, empty, empty,
+        qp, kp, vp, unused, meta.q_seqlen, meta.kv_seqlen, meta.q_offsets, meta.kv_offsets, unused, unused,
         stats, out, dout, **_params(kind, scale),
     )  # fmt: skip
 

@@ -70,9 +70,17 @@ def _probabilities(q, k, q_rows, k_rows, stats, scale, mask_type):
     return jnp.where(mask, jnp.exp(s - stats[..., None]), 0.0), stats
 
 
+def _check_unused(bias, page_k, page_v, params):
+    """The operands the real lowering drops: no bias (variadic_args) and no paging (rank-4 page tables); none of them
+    zero-element (parallel/kernels/cudnn.py: a zero-element shard_map operand crashes XLA's Shardy import)."""
+    assert params["variadic_args"] == (False, False) and fa.check_is_paged_attention(page_k) is False
+    assert all(x.size > 0 for x in (bias, page_k, page_v))
+
+
 def forward(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_k, page_v, **params):
     """The fwd wrapper's bind: -> [out [b, tq, heads, dv], stats [S, heads, tq] float32]."""
-    assert params["layout"] == fa.AttentionLayout.BTNH.value and params["is_training"] and bias.size == 0
+    assert params["layout"] == fa.AttentionLayout.BTNH.value and params["is_training"]
+    _check_unused(bias, page_k, page_v, params)
     (q_rows, o_rows, k_rows, v_rows), broken = _segments(query, key, value, q_seqlen, kv_seqlen, q_offsets, kv_offsets)
     q, k, v = _gather(query, q_rows), _gather(key, k_rows), _gather(value, v_rows)
     p, stats = _probabilities(q, k, q_rows, k_rows, None, params["scale"], params["mask_type"])
@@ -87,6 +95,7 @@ def forward(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets,
 def backward(query, key, value, bias, q_seqlen, kv_seqlen, q_offsets, kv_offsets, page_k, page_v, stats, out, dout,
              **params):  # fmt: skip
     """The bwd wrapper's bind: -> [dq, dk, dv] in the inputs' shapes and dtypes; delta = dout . out per row."""
+    _check_unused(bias, page_k, page_v, params)
     (q_rows, o_rows, k_rows, v_rows), broken = _segments(query, key, value, q_seqlen, kv_seqlen, q_offsets, kv_offsets)
     q, k, v = _gather(query, q_rows), _gather(key, k_rows), _gather(value, v_rows)
     o, do = _gather(out, o_rows), _gather(dout, o_rows)
