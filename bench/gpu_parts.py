@@ -14,13 +14,13 @@ import platform
 import re
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bench.attention import forward_backward
+from bench.timing import best_time
 from bench.train_throughput import prepare, timed_step
 from parallel import compat, kernels
 from train.config import load_config
@@ -43,21 +43,6 @@ class Rows:
         print(row, flush=True)
 
 
-def best_seconds(fn, *args, repeats: int, long_call_s: float = 2.0) -> float:
-    """Best wall-clock seconds of `repeats` calls of fn(*args) after one warm-up call (one call when the warm-up,
-    compile included, took longer than long_call_s)."""
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    if time.perf_counter() - start > long_call_s:
-        repeats = 1
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def ceilings(rows: Rows, args) -> None:
     """Versions, the device and its memory, then the TFLOP/s of bf16 [n, n] matmuls (20 chained in one call) and a
     copy's GB/s (bytes read and written), each the best of 10 calls."""
@@ -75,12 +60,12 @@ def ceilings(rows: Rows, args) -> None:
     n = 512 if args.rehearse else 8192
     a, w = (jax.random.normal(key, (n, n), jnp.bfloat16) for key in jax.random.split(jax.random.key(0)))
     chain = jax.jit(lambda x, w: jax.lax.fori_loop(0, 20, lambda i, x: x @ w, x))
-    tflops = 20 * 2 * n**3 / best_seconds(chain, a, w * n**-0.5, repeats=10) / 1e12
+    tflops = 20 * 2 * n**3 / best_time(chain, (a, w * n**-0.5), repeats=10) / 1e12
     rows.add(what=f"bf16 matmul {n}^3", value=f"{tflops:.1f} TFLOP/s")
     (pathlib.Path(args.scratch) / "ceilings.json").write_text(json.dumps({"matmul_tflops": tflops}))
     size = (8 if args.rehearse else 4096) * 2**20
     x = jnp.ones((size // 4,), jnp.float32)
-    gbs = 2 * size / best_seconds(jax.jit(lambda x: x * 1.5), x, repeats=10) / 1e9
+    gbs = 2 * size / best_time(jax.jit(lambda x: x * 1.5), (x,), repeats=10) / 1e9
     rows.add(what=f"copy of {size / 2**20:.0f} MiB", value=f"{gbs:,.0f} GB/s read + written")
 
 
@@ -162,7 +147,7 @@ def attention(rows: Rows, args) -> None:
                 fn = lambda q, k, v, name=name, interpret=interpret, tokens=tokens: kernels.attention(
                     q, k, v, tokens, tokens, kernel=name, interpret=interpret
                 )[0]
-                seconds = best_seconds(forward_backward(fn), *qkv, repeats=1 if args.rehearse else 3)
+                seconds = best_time(forward_backward(fn), qkv, repeats=1 if args.rehearse else 3, long_call_s=2.0)
                 tflops = flops / seconds / 1e12
                 rows.add(
                     T=length, heads=label, kernel=name, ms=round(1e3 * seconds, 2), TFLOPS=float(f"{tflops:.3g}"),

@@ -24,7 +24,6 @@ import dataclasses
 import re
 import subprocess
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ from jax.sharding import NamedSharding
 
 import parallel
 from bench.report import ratio
+from bench.timing import best_time
 from bench.tp_collectives import BYTES, _group_size, _prod, moved_bytes
 from layers.moe import MoE, expert_swiglu
 from parallel.mesh import make_mesh, state_shardings
@@ -130,13 +130,7 @@ def seconds(config, impl, length: int, repeats: int) -> float:
             ),
             (state, x),
         )
-        jax.block_until_ready(step(*real))
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(step(*real))
-            best = min(best, time.perf_counter() - start)
-    return best
+        return best_time(step, real, repeats)
 
 
 def plan_total(config_path: str, devices: int) -> float:

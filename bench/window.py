@@ -30,7 +30,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import parallel
 from bench.collectives import total_bytes
 from bench.report import ratio
+from bench.timing import best_time
 from parallel import kernels, targets
 from parallel.plan import Plan, use_plan
 from parallel.reorder import layout_index
@@ -94,17 +94,6 @@ def compiled_costs(args) -> None:
                 ratio(f"ring temp, {args.target}, {layout}, {name}, T={args.length}", "full causal ring",
                       temp / full_temp)  # fmt: skip
     print(f"\n(goal: bytes within 2 / (cp - 1) = {2 / (CP - 1):.3f} of the full ring)")
-
-
-def best_time(fn, inputs, repeats: int) -> float:
-    """Seconds of the fastest of `repeats` calls after one warm-up."""
-    jax.block_until_ready(fn(*inputs))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*inputs))
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def timed_costs(args, mesh) -> None:
