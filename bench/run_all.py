@@ -1,8 +1,8 @@
 """Runs every benchmark script in bench/ and writes one markdown table of the ratios they report.
 
-Each `bench/*.py` but this file and report.py runs in its own interpreter (repository root as working directory
-and on PYTHONPATH), with no arguments or, with `--quick`, with `--quick`. A script reports ratios and skips
-through `bench/report.py`; a skipped, failed or timed-out script gets a row saying so. The table (benchmark,
+Each `bench/*.py` but this file and the helpers in NOT_BENCHMARKS runs in its own interpreter (repository root as
+working directory and on PYTHONPATH), with no arguments or, with `--quick`, with `--quick`. A script reports ratios
+and skips through `bench/report.py`; a skipped, failed or timed-out script gets a row saying so. The table (benchmark,
 measurement, baseline, ratio) goes to stdout and to `--out`; progress goes to stderr.
 
     PYTHONPATH=. .venv/bin/python bench/run_all.py --quick
@@ -23,7 +23,8 @@ from bench.report import parse
 
 BENCH = pathlib.Path(__file__).resolve().parent
 REPO = BENCH.parent
-NOT_BENCHMARKS = {"run_all", "report", "collectives"}
+# helpers and the GPU run (bench/on_gpu.py, its own command with its own report), not ratio benchmarks
+NOT_BENCHMARKS = {"run_all", "report", "collectives", "timing", "on_gpu", "gpu_parts"}
 
 
 @dataclasses.dataclass
