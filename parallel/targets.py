@@ -12,8 +12,12 @@ import dataclasses
 import functools
 import pathlib
 import re
+from typing import TYPE_CHECKING
 
 from parallel import compat
+
+if TYPE_CHECKING:
+    import jax
 
 GPU_INSTALL = "pip install -e '.[cuda13]' or '.[cuda12]' (JAX's CUDA plugin at the installed JAX version)"
 GPUS_PER_HOST = 8
@@ -90,7 +94,7 @@ def _topology_devices(spec: Target, shape: str) -> tuple:
     return tuple(topologies.get_topology_desc(platform="cuda", topology=shape, target_config=spec.config).devices)
 
 
-def target_mesh(devices) -> object:
+def target_mesh(devices) -> jax.sharding.Mesh:
     """A one-axis mesh ("devices") over compile-only `devices`. Compile inside `jax.set_mesh(target_mesh(...))` when
     the program holds Pallas kernels and no mesh of its own: JAX 0.11 and newer take the GPU a Triton kernel lowers
     for from the mesh's devices (else from a concrete GPU, which this machine need not have)."""

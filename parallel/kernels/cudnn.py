@@ -19,8 +19,8 @@ the public wrapper, whose VJP drops the softmax statistics' cotangent. What the 
   slot to the call's length: its backward keeps a float32 dq accumulator and two float32 statistics per slot x head x
   query, batch x m x heads x tq x (width + 2) x 4 bytes (128 GiB for 64 slots of a 128K-token row of 32 heads of
   128). So m is as many slots as fit in `slot_bytes` (4 GiB), at least 2 and at most `max_segments`. Empty slots are
-  -1 in both
-  seqlens and offsets (a 0 length would stay in the primitive's left-shifted list while its -1 offset leaves it).
+  -1 in both seqlens and offsets (a 0 length would stay in the primitive's left-shifted list while its -1 offset
+  leaves it).
 - GQA: the primitive scales key / value offsets by the QUERY head count, so K / V are repeated to the query heads
   and dK / dV summed back over each group.
 - Head dims: the primitive uses one offset list for K and V and one for Q and O, in elements of Q's head dim; so

@@ -11,10 +11,11 @@ in no segment and stats entries no token fills come back NaN, like the real kern
 import functools
 
 import jax.numpy as jnp
-from jax._src.cudnn import fused_attention_stablehlo as fa
 
-from parallel import kernels
+from parallel import compat, kernels
 from parallel.kernels import blockwise, cudnn
+
+fa = compat.cudnn_attention()  # JAX's private cuDNN module: its metadata helper and enums
 
 
 def _segments(query, key, value, q_seqlen, kv_seqlen, q_offsets, kv_offsets):
