@@ -125,6 +125,11 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, args.only.split(",")))
+    unknown = sorted(entry for entry in only if entry.split("=")[0] not in {name for name, _, _ in PARTS})
+    if unknown:
+        parser.error(
+            f"--only {', '.join(unknown)}: unknown part; choose from {', '.join(dict.fromkeys(p[0] for p in PARTS))}"
+        )
     results = []
     with tempfile.TemporaryDirectory() as scratch, open(args.out / "on_gpu.log", "w") as log:
         start = time.perf_counter()
