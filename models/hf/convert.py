@@ -14,6 +14,7 @@ import logging
 import math
 import pathlib
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from safetensors.numpy import save_file
 import models
 from models.dtypes import PARAM_DTYPES
 from models.hf.families import by_architecture, for_export
+from models.hf.replace import replace_directory
 from models.hf.spec import Nesting
 from models.hf.stored import INDEX, SINGLE, StoredTensors
 
@@ -226,29 +228,71 @@ class _Shards:
         return names
 
 
+# config.json keys that may differ between two saves of one model (token ids, what its rope covers, dtype)
+SAME_MODEL_IGNORES = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "torch_dtype")
+WRITTEN = re.compile(r"config\.json|tokenizer\.json|model\.safetensors(\.index\.json)?|model-\d+-of-\d+\.safetensors")
+
+
+def other_model(path: pathlib.Path, hf_config: dict) -> str:
+    """Why directory `path` holds something else than an earlier save of the model `hf_config` describes (files a
+    save does not write, or a config.json of another architecture or sizes); "" when it holds nothing or such a
+    save."""
+    if not path.is_dir():
+        return f"{path} is not a directory" if path.exists() else ""
+    foreign = sorted(child.name for child in path.iterdir() if not WRITTEN.fullmatch(child.name))
+    if foreign:
+        return f"it holds files a save does not write ({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''})"
+    if not (path / CONFIG).is_file():
+        return ""
+    try:
+        saved = json.loads((path / CONFIG).read_text())
+    except ValueError:
+        return f"its {CONFIG} does not read as JSON"
+    differ = [key for key in hf_config if key not in SAME_MODEL_IGNORES and saved.get(key) != hf_config[key]]
+    described = ", ".join(f"{key}: {saved.get(key)!r} there, {hf_config[key]!r} here" for key in differ[:3])
+    return f"its {CONFIG} describes another model ({described}{', ...' if len(differ) > 3 else ''})" if differ else ""
+
+
 def save_pretrained(
-    model: nnx.Module, path: str | pathlib.Path, *, max_shard_bytes: int = 2**31, extra_config: dict | None = None
+    model: nnx.Module,
+    path: str | pathlib.Path,
+    *,
+    max_shard_bytes: int = 2**31,
+    extra_config: dict | None = None,
+    extra_files: tuple[pathlib.Path, ...] = (),
+    overwrite: bool = False,
 ) -> list[str]:
     """Writes `model` as a Hugging Face directory (config.json + safetensors shards, + index when several) that
     `transformers.AutoModelForCausalLM.from_pretrained` loads; tensors keep the parameters' dtype.
 
-    `extra_config` keys (e.g. bos_token_id, eos_token_id, max_position_embeddings) go into config.json over the
-    derived ones. Weights of an earlier save in `path` (model*.safetensors, index) are removed first.
+    `extra_config` keys (e.g. bos_token_id, eos_token_id) go into config.json over the derived ones; `extra_files`
+    (e.g. a tokenizer.json) are copied in. The whole set is written beside `path` and takes its place in one step
+    (models/hf/replace.py), so an interruption leaves `path` as it was. A `path` that holds another model
+    (`other_model`) is refused (ValueError) unless `overwrite`, which replaces everything in it.
     Returns the shard file names.
     """
     path = pathlib.Path(path)
     config = model.config
     family = for_export(config)
     hf_config = {**family.config_to_hf(config), "torch_dtype": config.param_dtype, **(extra_config or {})}
+    refusal = other_model(path, hf_config)
+    if refusal and not overwrite:
+        raise ValueError(
+            f"not saving into {path}: {refusal}. Choose an empty or new directory, or pass --overwrite to replace "
+            f"everything in it"
+        )
     params = flatten_dict(nnx.to_pure_dict(nnx.state(model)))
-    path.mkdir(parents=True, exist_ok=True)
-    for old in [path / SINGLE, path / INDEX, *path.glob("model-*-of-*.safetensors")]:
-        old.unlink(missing_ok=True)
-    shards = _Shards(path, max_shard_bytes)
-    for tensor in family.tensors(config):
-        host = np.asarray(params[tensor.ours])  # no copy on CPU; one (stacked) parameter from an accelerator
-        for fields, index in tensor.slices(config):
-            shards.add(tensor.hf.format(**fields), np.ascontiguousarray(tensor.to_hf(host[index], config)))
-    names = shards.finish()
-    (path / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
-    return names
+
+    def write(directory: pathlib.Path) -> list[str]:
+        shards = _Shards(directory, max_shard_bytes)
+        for tensor in family.tensors(config):
+            host = np.asarray(params[tensor.ours])  # no copy on CPU; one (stacked) parameter from an accelerator
+            for fields, index in tensor.slices(config):
+                shards.add(tensor.hf.format(**fields), np.ascontiguousarray(tensor.to_hf(host[index], config)))
+        names = shards.finish()
+        (directory / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
+        for file in extra_files:
+            shutil.copyfile(file, directory / pathlib.Path(file).name)
+        return names
+
+    return replace_directory(path, write)
