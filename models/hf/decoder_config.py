@@ -8,8 +8,9 @@ from models.hf.rope import rope_to_hf
 
 
 def decoder_config_to_hf(config: ModelConfig, architecture: str, model_type: str, rope_types) -> dict:
-    """ModelConfig -> the shared config.json keys. max_position_embeddings (unused by our model) is the rope
-    scaling's factor x original_max_position_embeddings."""
+    """ModelConfig -> the shared config.json keys. max_position_embeddings (unused by our model) is the model's
+    when stated (an import's, or the context a fine-tune extended it to), else the rope scaling's factor x
+    original_max_position_embeddings."""
     rope = config.rope_scaling
     return {
         "architectures": [architecture],
@@ -21,6 +22,7 @@ def decoder_config_to_hf(config: ModelConfig, architecture: str, model_type: str
         "num_attention_heads": config.num_heads,
         "rms_norm_eps": config.norm_eps,
         "tie_word_embeddings": config.tie_embeddings,
-        "max_position_embeddings": int(rope.factor * rope.original_max_position_embeddings),
+        "max_position_embeddings": config.max_position_embeddings
+        or int(rope.factor * rope.original_max_position_embeddings),
         **rope_to_hf(config, architecture, rope_types),
     }

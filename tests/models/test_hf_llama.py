@@ -127,7 +127,8 @@ def test_bfloat16_checkpoint_round_trips_bit_for_bit(tmp_path):
 
 
 def test_cli_import_seeds_training_and_export_of_its_checkpoint_round_trips(tmp_path):
-    """A learning rate of 1e-30 moves no float32 weight, so the step-1 checkpoint holds the imported weights."""
+    """A learning rate of 1e-30 moves no float32 weight, so the step-1 checkpoint holds the imported weights; the
+    export of the run carries the import's token ids, positions and tokenizer."""
     hf_llama(
         tmp_path / "hf",
         vocab_size=384,
@@ -137,7 +138,9 @@ def test_cli_import_seeds_training_and_export_of_its_checkpoint_round_trips(tmp_
         tie_word_embeddings=False,
         bos_token_id=7,
         eos_token_id=9,
+        max_position_embeddings=512,
     )
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"kept": true}')  # copied along, not read
     assert cli.main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
     loaded = load_pretrained(tmp_path / "hf")
     _, abstract = abstract_model(loaded.config)
@@ -175,8 +178,6 @@ def test_cli_import_seeds_training_and_export_of_its_checkpoint_round_trips(tmp_
                 "export",
                 str(tmp_path / "run" / "checkpoints"),
                 str(tmp_path / "exported"),
-                "--hf-config",
-                str(tmp_path / "imported" / "hf_config.json"),
                 "--max-shard-bytes",
                 "50000",
             ]
@@ -188,7 +189,9 @@ def test_cli_import_seeds_training_and_export_of_its_checkpoint_round_trips(tmp_
     for name in original:
         np.testing.assert_array_equal(exported[name], original[name], err_msg=name)
     written = json.loads((tmp_path / "exported" / "config.json").read_text())
-    assert (written["bos_token_id"], written["eos_token_id"]) == (7, 9)
+    # the import's config.json and tokenizer, kept in the run directory
+    assert (written["bos_token_id"], written["eos_token_id"], written["max_position_embeddings"]) == (7, 9, 512)
+    assert (tmp_path / "exported" / "tokenizer.json").read_text() == '{"kept": true}'
 
 
 def test_unsupported_architecture_and_rope_type_are_named(tmp_path):
