@@ -1,0 +1,50 @@
+"""Whether a checkpoint holds the run's model: the architecture of an import (its model.yaml) or of a run's
+checkpoint (the resolved config in its `meta` item) against a run's `model` section, key by key. Equal shapes are
+not enough: a sliding window, layer types, sinks or a rope base change the model without changing a parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+from models.config import ModelConfig
+from train.checkpoint import read_meta
+from train.config import from_dict, load_config
+from train.errors import CheckpointError
+
+MODEL_YAML = "model.yaml"
+# what a fine-tune may change: the context it covers (rope scaling, positions), the parameters' dtype, and how
+# training updates the router's bias
+FREE = ("rope_scaling", "context_length", "max_position_embeddings", "param_dtype", "router_bias_rate")
+
+
+def saved_model(directory: pathlib.Path) -> ModelConfig | None:
+    """The model config of a checkpoint directory: an import's model.yaml, else a run step's `meta` item (raising
+    Unreadable when it cannot be read); None when it has neither."""
+    if (directory / MODEL_YAML).is_file():
+        return load_config(directory / MODEL_YAML).model
+    if (directory / "meta").is_dir():
+        return from_dict(ModelConfig, read_meta(directory)["config"]["model"], "model.")
+    return None
+
+
+def differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
+    """`key: there -> here` for each architecture key (not FREE) on which two model configs differ."""
+    there, here = dataclasses.asdict(saved), dataclasses.asdict(current)
+    return [
+        f"{key}: {there[key]!r} there, {here[key]!r} here"
+        for key in here
+        if key not in FREE and there[key] != here[key]
+    ]
+
+
+def check_architecture(directory: pathlib.Path, current: ModelConfig) -> None:
+    """Raises CheckpointError naming the keys on which the model saved in `directory` differs from `current`; a
+    directory that states no model (only its shapes can be compared) passes."""
+    saved = saved_model(directory)
+    found = differences(saved, current) if saved is not None else []
+    if found:
+        raise CheckpointError(
+            f"checkpoint.init_from: {directory} holds another model than this run's ({'; '.join(found)}). Start "
+            f"from a config with that model (model_from_init: true takes an import's), or set these keys as it has them"
+        )
