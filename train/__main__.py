@@ -19,8 +19,8 @@ from models.remat import RematError, check_policy
 from parallel import targets
 from parallel.mesh import AXES, MeshError
 from parallel.targets import TargetError
-from train import distributed, environment, peers
-from train.config import ConfigError, load_config
+from train import distributed, environment, library_log, peers
+from train.config import ConfigError, load_config, to_dict
 from train.errors import CheckpointError, DataError, NonFiniteLoss
 from train.memory import format_plan, format_size, parse_size, plan_memory
 
@@ -176,6 +176,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
     for noisy in ("absl", "jax", "orbax", "grain"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    library_log.install()
     try:
         # a plan reads no parameters: it needs no checkpoint.init_from (e.g. an import not made yet) but the model
         config = load_config(args.config, args.overrides, init_params=not args.plan)
@@ -184,19 +185,30 @@ def main(argv=None) -> int:
         if args.distributed:
             checkpoints = pathlib.Path(config.train.output_dir) / "checkpoints" if config.checkpoint.enabled else None
             distributed.initialize(distributed.resolve(*cluster_flags), timeouts, checkpoints)
+            distributed.check_same_config(to_dict(config), timeouts)
         check_policy(config.compute.remat_policy, jax.default_backend())
         from train.loop import run
 
         with peers.reporting():
             run(config)
-    except (ConfigError, MeshError, RematError, DataError, CheckpointError, FileNotFoundError, TargetError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ConfigError, MeshError, RematError, DataError, CheckpointError, OSError, TargetError) as error:
+        print(f"error: {error}{library_log.mention()}", file=sys.stderr)
         return 2
     except NonFiniteLoss as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}{library_log.mention()}", file=sys.stderr)
         return 3
     return 0
 
 
+def leave(code: int) -> int:
+    """`code`, or for a failed run the exit now with `code`: on the way out JAX's shutdown waits for peers that may
+    be gone, and orbax's threads of a failed save wait minutes for signals that never come."""
+    if code:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(peers.leave(main()))
+    sys.exit(leave(main()))

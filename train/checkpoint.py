@@ -19,9 +19,11 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import pathlib
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -48,8 +50,10 @@ def _pure(state: nnx.State) -> dict:
 
 
 def _first_line(error: Exception) -> str:
+    """`Type: the first line of the message`, without the TensorStore spec orbax appends."""
     lines = str(error).splitlines()
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+    first = lines[0].split(" See full TensorStore details")[0] if lines else ""
+    return f"{type(error).__name__}: {first}"
 
 
 def _leaves(tree) -> dict:
@@ -164,7 +168,7 @@ class Checkpointer:
         JSON) and metadata at `step`, once the previous save is complete and the disk has room for this one (else
         CheckpointError)."""
         self.wait()
-        self._check_space(step, state)
+        self._check_space(f"checkpoint step {step}", state)
         try:
             self.manager.save(
                 step,
@@ -180,15 +184,28 @@ class Checkpointer:
             raise self._failed(f"saving checkpoint step {step}", error) from error
         self.pending = step
 
-    def _check_space(self, step: int, state: nnx.State) -> None:
+    def check_room(self, state: nnx.State) -> None:
+        """Refuses, before any step, a checkpoint directory that cannot be written or has no room for one
+        checkpoint of `state` (arrays or abstract ones)."""
+        try:
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as error:
+            raise CheckpointError(
+                f"cannot write checkpoints to {self.directory} ({_first_line(error)}); make it writable or choose "
+                f"another train.output_dir (checkpoint.enabled=false trains without checkpoints)"
+            ) from None
+        self._check_space("one checkpoint", state)
+
+    def _check_space(self, what: str, state: nnx.State) -> None:
         """Refuses a save the disk has no room for: older checkpoints go only once a newer one is complete."""
-        needed = sum(x.nbytes for part in (state[0], state[1]) for x in jax.tree.leaves(_pure(part)))
+        needed = sum(
+            math.prod(x.shape) * x.dtype.itemsize for part in (state[0], state[1]) for x in jax.tree.leaves(_pure(part))
+        )
         free = shutil.disk_usage(self.directory).free
         if free < needed:
             raise self._failed(
-                f"checkpoint step {step} needs about {format_size(needed)} but {self.directory} has "
-                f"{format_size(free)} free",
-                None,
+                f"{what} needs about {format_size(needed)} but {self.directory} has {format_size(free)} free", None
             )
 
     def _failed(self, what: str, error: Exception | None) -> CheckpointError:
@@ -385,9 +402,18 @@ def read_model_params(directory: pathlib.Path, abstract_model: nnx.State) -> nnx
     return state
 
 
-def restore_model_params(path: str | pathlib.Path, abstract_model: nnx.State) -> nnx.State:
+def restore_model_params(
+    path: str | pathlib.Path, abstract_model: nnx.State, check: Callable[[pathlib.Path], None] | None = None
+) -> nnx.State:
     """Params-only initialisation: `read_model_params` of the newest readable of `model_directories(path)`, whose
-    directory is written to stderr (init_from, evaluation and export all say which step they read)."""
-    directory, params = newest_readable(path, lambda directory: read_model_params(directory, abstract_model))
+    directory is written to stderr (init_from, evaluation and export all say which step they read); `check`
+    (e.g. of its architecture) runs on that directory first and may refuse it by raising."""
+
+    def read(directory: pathlib.Path) -> nnx.State:
+        if check is not None:
+            check(directory)
+        return read_model_params(directory, abstract_model)
+
+    directory, params = newest_readable(path, read)
     print(f"parameters from {directory}", file=sys.stderr, flush=True)
     return params

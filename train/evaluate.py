@@ -26,7 +26,7 @@ import matplotlib
 import numpy as np
 
 from parallel.mesh import MeshError, make_mesh
-from train import environment
+from train import environment, library_log
 from train.checkpoint import model_directories, restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
 from train.errors import CheckpointError, DataError
@@ -167,6 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, help="output folder (default RUN_DIR/eval)")
     args = parser.parse_intermixed_args(argv)
     environment.set_up()
+    library_log.install()
     unknown = [task for task in args.tasks if task not in TASKS]
     if unknown:
         parser.error(f"--tasks {','.join(unknown)}: choose from {', '.join(TASKS)}")
@@ -184,7 +185,7 @@ def main(argv=None) -> int:
             config_file=args.config,
         )
     except (ConfigError, MeshError, DataError, CheckpointError, FileNotFoundError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {error}{library_log.mention()}", file=sys.stderr)
         return 2
     for r in records:
         print(f"{r['task']:>12} {r['length']:>8,} tokens  depth {r['depth']:.0%}  {r['accuracy']:.0%}")

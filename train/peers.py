@@ -228,19 +228,14 @@ def reporting():
     _finish(DONE)
 
 
+def stop_watching() -> None:
+    """The run ends before it began (every process refuses alike): the watchdog stops, the peers told DONE."""
+    _finish(DONE)
+
+
 def _finish(beat: int) -> None:
     """The run is over: the watchdog stops and an abort is XLA's again (JAX's exit-time shutdown is not a peer's
     death, whatever it logs)."""
     if _active is not None:
         _active.close(beat)
         _on_abort(None)
-
-
-def leave(code: int) -> int:
-    """`code`, or for a failed process of a multi-process run, the exit now with `code`: JAX's exit-time shutdown
-    waits for peers that may be gone and then aborts, burying the error line under XLA's."""
-    if _active is not None and code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code

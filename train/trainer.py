@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import pathlib
-import signal
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -23,15 +22,16 @@ from flax import nnx
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding, process_rows
 from parallel.planning import to_layout
-from train import peers
+from train import library_log, peers
 from train.config import Config, to_dict
-from train.errors import NonFiniteLoss
+from train.errors import CheckpointError, NonFiniteLoss
 from train.flops import Peak, batch_flops, peak_flops_per_device
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule
 from train.sample import generate
 from train.state import TrainState
 from train.step import make_eval_step, make_train_step, position_buckets
+from train.stop import Stop
 
 
 def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:
@@ -48,21 +48,6 @@ class Evaluation(NamedTuple):
 
     dataset: object
     needles: Callable[[nnx.State], dict[str, float]] | None
-
-
-class Stop:
-    """Remembers a SIGTERM / SIGINT so the loop can checkpoint and stop at a step boundary."""
-
-    def __init__(self):
-        self.signal = None
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def _handle(self, signum, _frame):
-        self.signal = signum
-
-    def restore(self):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,11 +145,13 @@ class Trainer:
     def run(self) -> dict:
         """Trains to train.steps (a signal: saves and raises SystemExit(128 + signal)), samples; returns the last
         step's metrics."""
-        stop = Stop()
+        stop = Stop(self.checkpoints.directory if self.checkpoints else None)
         try:
             stopped_by = self._steps(stop)
-        finally:
-            self._close(stop)
+        except BaseException as error:
+            self._close(stop, error)
+            raise
+        self._close(stop)
         if stopped_by is not None:
             raise SystemExit(128 + stopped_by)
         self._sample()
@@ -181,7 +168,7 @@ class Trainer:
             if pending:
                 self._record(*pending)
                 pending = None
-            stopping = stop.signal  # read once: a signal arriving later is handled after the next step
+            stopping = stop.requested()  # read once: a signal arriving later is handled after the next step
             save = self.cadence.saves_at(step, stopping is not None)
             if save or stopping is not None or self.cadence.logs_at(step):
                 self._record(step, metrics, flops)  # blocks: timing and saving need the step done
@@ -267,17 +254,27 @@ class Trainer:
         self.checkpoints.save(step, self.state, self.train_iter, self.meta)
         self.window.exclude(time.perf_counter() - began)  # a save is no step's time
 
-    def _close(self, stop: Stop) -> None:
-        """Closes the data, gives the signals back and waits for the last save (CheckpointError when it failed)."""
+    def _close(self, stop: Stop, failure: BaseException | None = None) -> None:
+        """Closes the data, gives the signals back, waits for the last save (CheckpointError when it failed) and
+        closes the checkpointer and the metrics writers. After a `failure` (the error that stops the run) what fails
+        here goes to the library log instead of over it, and after a failed save nothing waits for orbax."""
         self.train_iter.close()
         stop.restore()
-        try:
-            if self.checkpoints:
+        errors = []
+        if self.checkpoints and not isinstance(failure, CheckpointError):
+            try:
                 self.checkpoints.wait()
-        finally:
-            if self.checkpoints:
-                self.checkpoints.close()
+                self.checkpoints.close()  # not after a failed save: it would wait minutes for orbax's threads
+            except Exception as error:  # noqa: BLE001 - the writers close whatever happened
+                errors.append(error)
+        try:
             self.logger.close()
+        except Exception as error:  # noqa: BLE001
+            errors.append(error)
+        for error in errors if failure else errors[1:]:
+            library_log.note(f"while closing the run: {error!r}")
+        if errors and not failure:
+            raise errors[0]
 
     def _sample(self) -> None:
         """The end-of-run sample, when train.sample_tokens asks for one and this run trained a step: every process
