@@ -8,8 +8,10 @@ gloo, so a two-process run works on one machine.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
+import typing
 
 import jax
 
@@ -17,6 +19,7 @@ from parallel import compat
 from train import peers
 from train.config import ConfigError
 
+CONFIG_KEY = "longctx/config/"  # + process index: that process's resolved config, as JSON
 ENVIRONMENT = {
     "coordinator": "JAX_COORDINATOR_ADDRESS",
     "num_processes": "JAX_NUM_PROCESSES",
@@ -90,3 +93,56 @@ def initialize(cluster: Cluster, timeouts: peers.Timeouts, checkpoints: pathlib.
     if jax.process_count() > 1:
         store = compat.distributed_state().client  # the coordination service's key-value store
         peers.watch(peers.Watchdog(store, jax.process_index(), jax.process_count(), timeouts, checkpoints))
+
+
+def check_same_config(config: dict, timeouts: peers.Timeouts) -> None:
+    """Refuses (ConfigError naming the keys) to train when the processes resolved different configs, e.g. one
+    started with another data.seed or train.steps: they would train on mixed data or wait for each other forever.
+    Each publishes its config in the coordination service and reads the others' (waiting past the peer timeout,
+    so that the watchdog names a process that died first)."""
+    if jax.process_count() == 1:
+        return
+    store = compat.distributed_state().client
+    try:
+        agree(store, jax.process_index(), jax.process_count(), config, timeouts.peer + 30)
+    except ConfigError:  # every process finds the same differences: all leave the cluster together, then say so
+        peers.stop_watching()
+        jax.distributed.shutdown()
+        raise
+
+
+def agree(store, process: int, count: int, config: dict, timeout_s: float) -> None:
+    """`check_same_config` on a key-value `store` (key_value_set, blocking_key_value_get)."""
+    store.key_value_set(f"{CONFIG_KEY}{process}", json.dumps(config, sort_keys=True))
+    configs = {
+        peer: json.loads(store.blocking_key_value_get(f"{CONFIG_KEY}{peer}", int(timeout_s * 1000)))
+        for peer in range(count)
+    }
+    differing = config_differences(configs)
+    if differing:
+        raise ConfigError(
+            f"the {count} processes of this run resolved different configs: {'; '.join(differing[:5])}"
+            f"{'; ...' if len(differing) > 5 else ''}. Start every process with the same config and overrides"
+        )
+
+
+def config_differences(configs: dict[int, dict]) -> list[str]:
+    """`key: value in process I, value in process J` for each dotted key whose value differs between processes."""
+    flat = {process: _flatten(config) for process, config in configs.items()}
+    keys = sorted(set().union(*flat.values()))
+    found = []
+    for key in keys:
+        values = {process: settings.get(key) for process, settings in flat.items()}
+        if len({json.dumps(value) for value in values.values()}) > 1:
+            found.append(f"{key}: " + ", ".join(f"{value!r} in process {process}" for process, value in values.items()))
+    return found
+
+
+def _flatten(tree: typing.Any, prefix: str = "") -> dict[str, typing.Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1}; lists are values."""
+    if not isinstance(tree, dict) or not tree:
+        return {prefix: tree}
+    flat = {}
+    for name, child in tree.items():
+        flat.update(_flatten(child, f"{prefix}.{name}" if prefix else name))
+    return flat

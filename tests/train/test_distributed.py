@@ -1,8 +1,9 @@
 """Multi-process runs: cluster settings from flags and environment, each process's batch rows, and (slow) two
 processes x 4 CPU devices over gloo, killed (-9, both) after a checkpoint and restarted, training exactly like one
 process with 8 devices; and a run's checkpoints carried from two processes to one and back (N -> 1 -> N), training
-like one uninterrupted process."""
+like one uninterrupted process; processes that resolved different configs refuse before any step."""
 
+import json
 import os
 import pathlib
 import random
@@ -19,6 +20,7 @@ from flax.traverse_util import flatten_dict
 from models.hf.convert import abstract_model
 from parallel.mesh import make_mesh, process_rows
 from tests.train.tiny_run import REPO, SMALL, TINY, records
+from train import distributed
 from train.checkpoint import restore_model_params
 from train.config import ConfigError, MeshConfig
 from train.distributed import Cluster, resolve
@@ -160,3 +162,54 @@ def test_checkpoints_move_from_two_processes_to_one_and_back(tmp_path):
     for key, value in expected.items():
         np.testing.assert_allclose(params[key], value, rtol=1e-4, atol=1e-6, err_msg=str(key))
     assert not list((output / "checkpoints").glob("*.corrupt*"))
+
+
+def test_processes_that_resolved_different_configs_refuse_before_any_step(tmp_path):
+    port = random.randint(20000, 40000)
+    cluster = ["--distributed", f"--coordinator=127.0.0.1:{port}", "--num-processes=2"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    common = [str(TINY), *OVERRIDES, f"train.output_dir={tmp_path}"]
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "train", *cluster, f"--process-id={i}", *common, f"data.seed={i}"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    for run in runs:
+        printed = run.communicate(timeout=300)[0]
+        assert run.returncode == 2, printed[-3000:]
+        assert printed.strip().splitlines()[-1] == (
+            "error: the 2 processes of this run resolved different configs: data.seed: 0 in process 0, 1 in process "
+            "1. Start every process with the same config and overrides"
+        )
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+class Store:
+    """The coordination service's key-value store, in a dict (every process has published)."""
+
+    def __init__(self, values: dict):
+        self.values = values
+
+    def key_value_set(self, key, value):
+        self.values[key] = value
+
+    def blocking_key_value_get(self, key, timeout_in_ms):
+        return self.values[key]
+
+
+def test_agreeing_processes_pass_and_the_differences_are_named():
+    config = {"data": {"seed": 0, "sources": ["a", "b"]}, "train": {"steps": 10}}
+    store = Store({f"{distributed.CONFIG_KEY}1": json.dumps(config)})
+    distributed.agree(store, 0, 2, config, 1.0)
+    other = {"data": {"seed": 0, "sources": ["a"]}, "train": {"steps": 12}}
+    store.values[f"{distributed.CONFIG_KEY}1"] = json.dumps(other)
+    with pytest.raises(
+        ConfigError, match=r"data.sources: \['a', 'b'\] in process 0, \['a'\] in process 1; train.steps"
+    ):
+        distributed.agree(store, 0, 2, config, 1.0)
