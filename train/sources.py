@@ -1,6 +1,7 @@
 """Random-access document sources: `len(source)` documents, `source[i]` -> str, read lazily.
 
-Kinds: plain text (a file is one document; a folder gives one document per matching file),
+Kinds: plain text (a file is one document, or pieces of about PIECE_BYTES when larger; a folder gives one document
+per matching file, or its pieces),
 JSON lines (one object per line), Parquet (one row per document), "stdlib" (the Python
 standard library's own `*.py` files, a corpus present offline everywhere) and "retrieval" (synthetic
 needle-retrieval documents of data.seq_len - 1 bytes, train/retrieval.py). A folder of JSONL or
@@ -43,6 +44,8 @@ if TYPE_CHECKING:  # the run config imports this module's registries
 
 SOURCE_HELP = '"stdlib", "retrieval", a text file, a folder, a .jsonl/.json file or a .parquet file'
 SNIFF_BYTES = 8192  # a text file's head read when its folder is listed, to tell text from binary
+PIECE_BYTES = 1 << 20  # a text file larger than this is read as pieces of about this size (TextFiles)
+CUT_WINDOW = 1 << 16  # bytes searched past a piece's nominal start for a place to cut
 JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 log = logging.getLogger(__name__)
@@ -128,19 +131,54 @@ def _text_only(paths: Sequence[pathlib.Path]) -> tuple[list[pathlib.Path], str]:
 
 class TextFiles:
     """Each file is one document, decoded as UTF-8 with invalid bytes replaced (open_source and
-    stdlib_source pass only files whose head is UTF-8 text, so only stray bytes further on are replaced)."""
+    stdlib_source pass only files whose head is UTF-8 text, so only stray bytes further on are replaced).
 
-    def __init__(self, paths: Sequence[pathlib.Path | str]):
+    A file larger than `piece_bytes` is several documents, its pieces of about that many bytes, so that memory
+    does not grow with one file (a document is read, tokenized and held whole): piece k starts after the first
+    newline at or past byte k * piece_bytes (else the first whitespace, else the first character, within
+    CUT_WINDOW bytes, at most half a piece), so no line, word or character is split."""
+
+    def __init__(self, paths: Sequence[pathlib.Path | str], piece_bytes: int = PIECE_BYTES):
         self.paths = [str(path) for path in paths]
+        self.piece_bytes = piece_bytes
+        self.window = min(CUT_WINDOW, piece_bytes // 2)
+        self.file_sizes = [os.path.getsize(path) for path in self.paths]
+        # first document of each file, and the end: file f is documents starts[f] .. starts[f + 1] - 1
+        self.starts = np.cumsum([0] + [max(1, -(-size // piece_bytes)) for size in self.file_sizes]).tolist()
 
     def __len__(self) -> int:
-        return len(self.paths)
+        return self.starts[-1]
 
     def __getitem__(self, index: int) -> str:
-        return _read(self.paths[index]).decode("utf-8", errors="replace")
+        if not 0 <= index < len(self):
+            raise IndexError(f"document {index} out of range for {len(self)} documents")
+        file = bisect.bisect_right(self.starts, index) - 1
+        piece, pieces = index - self.starts[file], self.starts[file + 1] - self.starts[file]
+        if pieces == 1:
+            return _read(self.paths[file]).decode("utf-8", errors="replace")
+        begin = piece * self.piece_bytes
+        data = _read(self.paths[file], begin, self.piece_bytes + self.window)
+        start = _cut(data[: self.window]) if piece else 0
+        end = self.piece_bytes + _cut(data[self.piece_bytes :]) if piece < pieces - 1 else len(data)
+        return data[start:end].decode("utf-8", errors="replace")
 
     def sizes(self) -> np.ndarray:
-        return np.asarray([os.path.getsize(path) for path in self.paths], np.int64)
+        """Each document's size in bytes, a piece's taken as piece_bytes (the last one's as what is left)."""
+        sizes = []
+        for size, first, end in zip(self.file_sizes, self.starts, self.starts[1:], strict=False):
+            count = end - first
+            sizes += [self.piece_bytes] * (count - 1) + [size - (count - 1) * self.piece_bytes]
+        return np.asarray(sizes, np.int64)
+
+
+def _cut(window: bytes) -> int:
+    """Where a piece starts in `window` (the bytes from its nominal start): after the first newline, else at the
+    first whitespace, else at the first byte that starts a UTF-8 character; the window's end if none."""
+    for boundary in (b"\n", b" "):
+        found = window.find(boundary)
+        if found >= 0:
+            return found + 1
+    return next((i for i, byte in enumerate(window) if byte & 0xC0 != 0x80), len(window))
 
 
 def stdlib_source() -> TextFiles:
@@ -387,7 +425,7 @@ def open_source(cfg: DataConfig) -> Source:
             where += f" with data.file_pattern={cfg.file_pattern!r}"
         if fmt == "text":
             files, skipped = _text_only(files)
-            source = TextFiles(files)
+            source = TextFiles(files, max(PIECE_BYTES, 4 * cfg.seq_len))  # pieces of a few rows at least
         elif fmt in READERS:
             parts = [READERS[fmt](f, cfg.text_field) for f in files]
             source = parts[0] if len(parts) == 1 else Concat(parts)

@@ -3,6 +3,7 @@
 import json
 import pickle
 import re
+import tracemalloc
 
 import grain
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 from train.config import DataConfig
 from train.data import build_dataset, pack, split_indices, upsample
 from train.errors import DataError
-from train.sources import open_source, stdlib_source
+from train.sources import TextFiles, open_source, stdlib_source
 from train.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
@@ -73,6 +74,39 @@ def test_text_file_is_one_document(tmp_path):
     path.write_bytes(text.encode() + b"\xff")
     source = open_source(config(path))
     assert len(source) == 1 and source[0] == text + "\ufffd"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "".join(f"line {i} é 漢字\n" for i in range(3000)),  # cut after a newline
+        " ".join(f"word{i}é" for i in range(6000)),  # one line: cut before a word
+        "é漢" * 8000,  # no space: cut before a character
+    ],
+)
+def test_a_large_text_file_is_pieces_that_split_no_line_word_or_character(tmp_path, text):
+    path = tmp_path / "book.txt"
+    path.write_text(text)
+    source = TextFiles([path], piece_bytes=4096)
+    pieces = [source[i] for i in range(len(source))]
+    assert len(pieces) == len(source.sizes()) == -(-len(text.encode()) // 4096) and "".join(pieces) == text
+    assert all(piece.endswith(("\n", " ", "é", "漢")) for piece in pieces)
+    assert source.sizes().sum() == len(text.encode())
+
+
+def test_one_large_text_file_is_read_in_bounded_memory(tmp_path):
+    """Held whole with its token arrays, a 20 MB one-line file took 470 MiB here; in pieces, grain's
+    buffers hold a few pieces whatever the file's size."""
+    path = tmp_path / "one-line.txt"
+    path.write_text(" ".join(["abcdefghi"] * 2_000_000))
+    batches = iter(build_dataset(config(path, eval_fraction=0.02, shuffle=True), TOK, batch_size=8))
+    tracemalloc.start()
+    for _ in range(4):
+        next(batches)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    batches.close()
+    assert peak < 100 * 2**20, f"{peak / 2**20:.0f} MiB"  # 470 MiB when the file is read whole
 
 
 def test_folder_with_pattern_is_recursive_sorted_and_skips_hidden(tmp_path):
