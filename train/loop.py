@@ -14,12 +14,15 @@ import jax
 import yaml
 
 from parallel.mesh import make_mesh
+from train import library_log
+from train.architecture import check_architecture
 from train.checkpoint import Checkpointer, has_checkpoints, restore_model_params
 from train.config import Config, ConfigError, check_built_mesh, to_dict
 from train.data import build_dataset
 from train.lock import make_run_directory, run_directory_lock
 from train.needle import needle_evaluation
 from train.optimizer import make_optimizer
+from train.origin import keep_origin
 from train.run_plan import run_plan
 from train.sources import open_source
 from train.state import TrainState, abstract_state, create_state
@@ -79,11 +82,14 @@ def run(config: Config) -> dict:
     resuming = config.checkpoint.enabled and has_checkpoints(output / "checkpoints")
     # seeding parameters is the last check that can fail on the configuration: before the run directory is made
     seed = (
-        restore_model_params(config.checkpoint.init_from, abstract[1][0])
+        restore_model_params(
+            config.checkpoint.init_from, abstract[1][0], lambda directory: check_architecture(directory, config.model)
+        )
         if config.checkpoint.init_from and not resuming
         else None
     )
     make_run_directory(output)
+    library_log.move_to(output, jax.process_index())
     main_process = jax.process_index() == 0
     with run_directory_lock(output) if main_process else contextlib.nullcontext():
         checkpoints = (
@@ -91,10 +97,14 @@ def run(config: Config) -> dict:
             if config.checkpoint.enabled
             else None
         )
+        if checkpoints:  # before the first step compiles
+            checkpoints.check_room(abstract[1])
         train_iter = iter(datasets["train"])
         start, train_state = _initial_state(config, checkpoints, train_iter, tx, mesh, abstract, seed)
         if main_process:  # once the state fits the run: a refused resume leaves the directory as it was
             (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+            if seed is not None and start == 0:  # an import's config.json and tokenizer, for export
+                keep_origin(config.checkpoint.init_from, output)
         with jax.set_mesh(mesh):
             evaluation = Evaluation(datasets.get("eval"), needle_scores)
             return Trainer(
