@@ -1,7 +1,8 @@
 """A checkpoint directory that cannot be written is refused before the first step; a save that fails mid-run (here
-orbax's step directory cannot be made: a read-only file system from step 4 on) ends the run within seconds, in one
-line naming the library log and with exit status 2, and the checkpoints saved before it are intact. What orbax,
-absl and TensorStore print meanwhile goes to that log, not the screen."""
+orbax's step directory cannot be made: a read-only file system from step 4 on, and closing the metrics writers
+fails too) ends the run within seconds, in one line naming the library log and with exit status 2, and the
+checkpoints saved before it are intact. What orbax, absl and TensorStore print meanwhile goes to that log, not the
+screen."""
 
 import errno
 import os
@@ -29,6 +30,10 @@ def mkdir(path, *args, **kwargs):  # orbax's directory of step 4 (and its tempor
         raise OSError(errno.EROFS, "Read-only file system", os.fspath(path))
     return make(path, *args, **kwargs)
 os.mkdir = mkdir
+import tensorboardX
+def full(self):  # and closing the metrics writers fails too
+    raise OSError(errno.ENOSPC, "No space left on device")
+tensorboardX.SummaryWriter.close = full
 sys.argv = ["train", *sys.argv[1:]]
 runpy.run_module("train", run_name="__main__")
 """
@@ -47,7 +52,8 @@ def test_a_save_that_fails_ends_the_run_in_one_line(tmp_path):
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "saving checkpoint step 4 (OSError: [Errno 30] Read-only file system" in errors[0]
     assert "intact (steps [2])" in errors[0] and f"library messages: {tmp_path / 'library.log'}" in errors[0]
-    assert "Read-only file system" in (tmp_path / "library.log").read_text()  # orbax's own account
+    library = (tmp_path / "library.log").read_text()
+    assert "Read-only file system" in library and "while closing the run: OSError(28" in library
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
 
 
