@@ -25,8 +25,8 @@ class LibraryLog(logging.Handler):
     def __init__(self):
         super().__init__(logging.DEBUG)
         self.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        self.path = pathlib.Path(tempfile.gettempdir()) / f"longctx-{os.getpid()}.log"
-        self.written = False
+        self.before_run = pathlib.Path(tempfile.gettempdir()) / f"longctx-{os.getpid()}.log"
+        self.path, self.written = self.before_run, False
 
     def write(self, text: str) -> None:
         with contextlib.suppress(OSError):  # a full or read-only disk: the message is lost, not the run
@@ -44,14 +44,17 @@ class LibraryLog(logging.Handler):
         self.write(f"{header}: {unraisable.object!r}\n{''.join(lines)}")
 
     def move_to(self, directory: pathlib.Path, process: int) -> None:
-        """Writes from now on to directory/library.log (library.I.log for process I > 0), after what was written
-        so far."""
+        """Writes from now on to directory/library.log (library.I.log for process I > 0); what the temp file holds
+        (this process's messages from before the run had its directory) goes there first."""
         target = directory / (FILE_NAME if process == 0 else f"library.{process}.log")
-        if self.written and self.path != target:
-            with open(target, "a") as file:
-                file.write(self.path.read_text())
-            self.path.unlink()
-        self.path = target
+        moved = False
+        if self.written and self.path == self.before_run:
+            with contextlib.suppress(OSError):
+                with open(target, "a") as file:
+                    file.write(self.before_run.read_text())
+                self.before_run.unlink()
+                moved = True
+        self.path, self.written = target, moved
 
 
 _log = LibraryLog()
