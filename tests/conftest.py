@@ -49,3 +49,8 @@ def shared_run(tmp_path_factory):
         return directory
 
     return get
+
+
+def pytest_collection_modifyitems(items):
+    """The GPU compiles (the longest tests) first: with pytest-xdist no worker is left alone with one at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("gpu_compile") is None)
