@@ -95,9 +95,18 @@ def kernel_tests(rows: Rows, args) -> None:
 
 
 def tiny_train(rows: Rows, args) -> None:
-    """20 steps of configs/tiny.yaml with the `auto` kernel: the kernel lines of its log and the loss by step."""
+    """20 steps of configs/tiny.yaml with the `auto` kernel (a rehearsal: 4 steps of a smaller model): the kernel
+    lines of its log and the loss by step."""
     out = pathlib.Path(args.scratch) / "tiny"
     overrides = ["train.steps=20", "train.log_every_steps=1", "optimizer.warmup_steps=5", f"train.output_dir={out}"]
+    if args.rehearse:
+        overrides += [
+            "train.steps=4",
+            "model.embed_dim=64",
+            "model.num_layers=2",
+            "model.mlp_dim=128",
+            "data.seq_len=64",
+        ]
     overrides += ["train.eval_batches=0", "train.sample_tokens=0", "checkpoint.every_steps=1000"]
     overrides.append("parallel.attention_kernel=auto")
     command = [sys.executable, "-m", "train", "configs/tiny.yaml", *overrides]
