@@ -2,7 +2,8 @@
 families' also with experts over expert x context, and q/k/v biases with q/k norms over tensor=4 with repeated
 key/value heads; sliding windows in layers that differ (scanned in groups; dense, MoE, Gemma 3's and GPT-OSS's
 blocks) over context=8 ring with a document longer than the window and than a device's pieces, Gemma 3 and GPT-OSS
-also over tensor=4 and under all_gather, ulysses and usp, GPT-OSS also over expert 2 x ring 4; biases, sinks and
+also over tensor=4 and under all_gather, ulysses and usp (Gemma 3's: slow), GPT-OSS also over expert 2 x ring 4;
+biases, sinks and
 norm scales are random so that a misplaced one shows. The registry's expert families are the ones check_model lets
 have experts."""
 
@@ -131,7 +132,10 @@ def references():
         (GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
         (GPT_OSS, MeshConfig(fsdp=2, tensor=4), dataclasses.replace(PLAIN, expert_capacity_factor=4.0), packed_batch),
         *((GPT_OSS, *STRATEGIES[name], long_document_batch) for name in STRATEGIES),
-        *((WINDOWED["gemma3"], *STRATEGIES[name], long_document_batch) for name in STRATEGIES),
+        *(
+            pytest.param(WINDOWED["gemma3"], *STRATEGIES[name], long_document_batch, marks=pytest.mark.slow)
+            for name in STRATEGIES
+        ),
     ],
     ids=[
         *(f"{name}-ring8" for name in FAMILIES),
