@@ -1,7 +1,8 @@
 """SIGTERM / SIGINT while training. The first is remembered, and the loop saves a checkpoint at the next step
 boundary and stops. A process whose main thread does not reach one within GRACE_S (it is blocked: a collective
 waiting for a peer that will never come) or that gets a second signal ends at once, with one line naming the newest
-complete checkpoint and exit status 128 + the signal.
+complete checkpoint and exit status 128 + the signal; so does one signalled once the steps are over (`finishing`:
+the last save, the sample), when no step boundary is left to stop at.
 
 Python runs a signal's handler only when the main thread runs Python, so a thread reads the signals from the
 interpreter's wakeup file descriptor, where each one is written as it arrives."""
@@ -28,6 +29,7 @@ class Stop:
         self.signal: int | None = None
         self.checkpoints, self.grace_s = checkpoints, GRACE_S
         self.heard = threading.Event()  # the loop has seen the signal: it saves and stops
+        self.finished = False  # the steps are over
         self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         self.reader, self.writer = socket.socketpair()
         self.writer.setblocking(False)
@@ -43,6 +45,10 @@ class Stop:
         if self.signal is not None:
             self.heard.set()
         return self.signal
+
+    def finishing(self) -> None:
+        """The steps are over: a signal from now on (not one the loop has heard) ends the process at once."""
+        self.finished = True
 
     def _watch(self) -> None:
         """Ends the process at a second signal, or when the loop has not heard the first within grace_s; returns
@@ -61,6 +67,8 @@ class Stop:
             received += [signum for signum in data if signum in SIGNALS]
             if len(received) >= 2:
                 self._end(received[1], "stopped by a second signal")
+            if received and self.finished and not self.heard.is_set():
+                self._end(received[0], f"stopped by signal {received[0]} while the run was finishing")
         self.reader.close()
 
     def _end(self, signum: int, why: str) -> None:

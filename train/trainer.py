@@ -147,14 +147,18 @@ class Trainer:
         step's metrics."""
         stop = Stop(self.checkpoints.directory if self.checkpoints else None)
         try:
-            stopped_by = self._steps(stop)
-        except BaseException as error:
-            self._close(stop, error)
-            raise
-        self._close(stop)
-        if stopped_by is not None:
-            raise SystemExit(128 + stopped_by)
-        self._sample()
+            try:
+                stopped_by = self._steps(stop)
+            except BaseException as error:
+                self._close(error)
+                raise
+            stop.finishing()  # no step boundary is left to stop at: a signal now ends the process at once
+            self._close()
+            if stopped_by is not None:
+                raise SystemExit(128 + stopped_by)
+            self._sample()
+        finally:
+            stop.restore()
         return self.last
 
     def _steps(self, stop: Stop) -> int | None:
@@ -254,12 +258,11 @@ class Trainer:
         self.checkpoints.save(step, self.state, self.train_iter, self.meta)
         self.window.exclude(time.perf_counter() - began)  # a save is no step's time
 
-    def _close(self, stop: Stop, failure: BaseException | None = None) -> None:
-        """Closes the data, gives the signals back, waits for the last save (CheckpointError when it failed) and
-        closes the checkpointer and the metrics writers. After a `failure` (the error that stops the run) what fails
-        here goes to the library log instead of over it, and after a failed save nothing waits for orbax."""
+    def _close(self, failure: BaseException | None = None) -> None:
+        """Closes the data, waits for the last save (CheckpointError when it failed) and closes the checkpointer and
+        the metrics writers. After a `failure` (the error that stops the run) what fails here goes to the library
+        log instead of over it, and after a failed save nothing waits for orbax."""
         self.train_iter.close()
-        stop.restore()
         errors = []
         if self.checkpoints and not isinstance(failure, CheckpointError):
             try:
