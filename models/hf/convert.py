@@ -238,7 +238,7 @@ def other_model(path: pathlib.Path, hf_config: dict) -> str:
     save does not write, or a config.json of another architecture or sizes); "" when it holds nothing or such a
     save."""
     if not path.is_dir():
-        return f"{path} is not a directory" if path.exists() else ""
+        return ""
     foreign = sorted(child.name for child in path.iterdir() if not WRITTEN.fullmatch(child.name))
     if foreign:
         return f"it holds files a save does not write ({', '.join(foreign[:4])}{', ...' if len(foreign) > 4 else ''})"
@@ -275,6 +275,8 @@ def save_pretrained(
     config = model.config
     family = for_export(config)
     hf_config = {**family.config_to_hf(config), "torch_dtype": config.param_dtype, **(extra_config or {})}
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"not saving into {path}: it is a file; choose a directory")
     refusal = other_model(path, hf_config)
     if refusal and not overwrite:
         raise ValueError(
