@@ -64,8 +64,11 @@ OVERRIDES = [
 ]
 
 
-def _start(output: pathlib.Path, extra: list[str], processes: int) -> list[subprocess.Popen]:
-    """Starts `python -m train` as `processes` processes sharing 8 CPU devices."""
+def _start(
+    output: pathlib.Path, extra: list[str], processes: int, each: list[list[str]] | None = None
+) -> list[subprocess.Popen]:
+    """Starts `python -m train` as `processes` processes sharing 8 CPU devices; `each[i]`: process i's own
+    overrides."""
     port = random.randint(20000, 40000)
     args = [str(TINY), *OVERRIDES, *extra, f"train.output_dir={output}"]
     cluster = ["--distributed", f"--coordinator=127.0.0.1:{port}", f"--num-processes={processes}"]
@@ -76,7 +79,14 @@ def _start(output: pathlib.Path, extra: list[str], processes: int) -> list[subpr
     )
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "train", *([*cluster, f"--process-id={i}"] if processes > 1 else []), *args],
+            [
+                sys.executable,
+                "-m",
+                "train",
+                *([*cluster, f"--process-id={i}"] if processes > 1 else []),
+                *args,
+                *(each[i] if each else []),
+            ],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -165,21 +175,7 @@ def test_checkpoints_move_from_two_processes_to_one_and_back(tmp_path):
 
 
 def test_processes_that_resolved_different_configs_refuse_before_any_step(tmp_path):
-    port = random.randint(20000, 40000)
-    cluster = ["--distributed", f"--coordinator=127.0.0.1:{port}", "--num-processes=2"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    common = [str(TINY), *OVERRIDES, f"train.output_dir={tmp_path}"]
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "train", *cluster, f"--process-id={i}", *common, f"data.seed={i}"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
+    runs = _start(tmp_path, [], 2, each=[["data.seed=0"], ["data.seed=1"]])
     for run in runs:
         printed = run.communicate(timeout=300)[0]
         assert run.returncode == 2, printed[-3000:]
