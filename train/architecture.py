@@ -29,7 +29,7 @@ def saved_model(directory: pathlib.Path) -> ModelConfig | None:
 
 
 def differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
-    """`key: there -> here` for each architecture key (not FREE) on which two model configs differ."""
+    """`key: X there, Y here` for each architecture key (not FREE) on which two model configs differ."""
     there, here = dataclasses.asdict(saved), dataclasses.asdict(current)
     return [
         f"{key}: {there[key]!r} there, {here[key]!r} here"
