@@ -27,12 +27,9 @@ def origin_file(path: str | pathlib.Path, name: str) -> pathlib.Path | None:
     return next((home / name for home in _homes(path) if (home / name).is_file()), None)
 
 
-def keep_origin(init_from: str | pathlib.Path, run_directory: pathlib.Path) -> list[str]:
-    """Copies the FILES that `init_from` came with into `run_directory`; returns their names."""
-    kept = []
+def keep_origin(init_from: str | pathlib.Path, run_directory: pathlib.Path) -> None:
+    """Copies the FILES that `init_from` came with into `run_directory`."""
     for name in FILES:
         source = origin_file(init_from, name)
         if source is not None and source.absolute() != (run_directory / name).absolute():
             shutil.copyfile(source, run_directory / name)
-            kept.append(name)
-    return kept
