@@ -10,9 +10,9 @@ import pathlib
 from models.config import ModelConfig
 from train.checkpoint import read_meta
 from train.config import from_dict, load_config
+from train.config.imported import MODEL_YAML
 from train.errors import CheckpointError
 
-MODEL_YAML = "model.yaml"
 # what a fine-tune may change: the context it covers (rope scaling, positions), the parameters' dtype, and how
 # training updates the router's bias
 FREE = ("rope_scaling", "context_length", "max_position_embeddings", "param_dtype", "router_bias_rate")

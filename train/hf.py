@@ -30,10 +30,10 @@ from flax import nnx
 from models.config import ConfigError, ModelConfig
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
 from train import environment, library_log
-from train.architecture import MODEL_YAML, saved_model
+from train.architecture import saved_model
 from train.checkpoint import newest_readable, read_model_params
 from train.config import load_config
-from train.config.imported import HF_CONFIG, TOKENIZER
+from train.config.imported import HF_CONFIG, MODEL_YAML, TOKENIZER
 from train.errors import CheckpointError
 from train.origin import origin_file
 
