@@ -1,7 +1,7 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
 tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.attention`,
-`parallel.shard` (logical names), `parallel.residual`, `parallel.gather`, `parallel.project_scatter` and
-`parallel.routed_experts` only.
+`parallel.shard` (logical names), `parallel.residual`, `parallel.gather`, `parallel.project_scatter`,
+`parallel.routed_experts` and, for Gated DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
 """
 
 from __future__ import annotations
@@ -14,11 +14,21 @@ from parallel import compat  # noqa: F401  first of the package: refuses a JAX o
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
 from parallel.plan import current_plan
+from parallel.recurrent import causal_conv, gated_delta
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
-__all__ = ["attention", "gather", "project_scatter", "residual", "routed_experts", "shard"]
+__all__ = [
+    "attention",
+    "causal_conv",
+    "gated_delta",
+    "gather",
+    "project_scatter",
+    "residual",
+    "routed_experts",
+    "shard",
+]
 
 
 def attention(

@@ -33,6 +33,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "kv_lora": ("fsdp", "context", "ulysses"),  # their batch and length take these axes first)
     "head_dim": (),
     "norm": (),
+    "taps": (),  # a convolution's taps (Gated DeltaNet)
     "layers": (),
 }
 

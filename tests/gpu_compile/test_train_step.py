@@ -3,7 +3,8 @@ context strategy x attention kernel on llama-tiny and deepseek-tiny: packed rows
 expert parallelism with the capacity and the ragged dispatch. Each is what `python -m train CONFIG --plan --target
 h100 --devices 8` compiles, and each checks that the kernel it names is the one in the compiled program.
 deepseek-tiny's latent attention and experts take every kernel under the ring and cuDNN under USP; its other cases
-are slow (the GPU compiler takes 20-60 s each).
+are slow (the GPU compiler takes 20-60 s each). The floor stack compiles the tiny Llama under none, ring and usp
+(every kernel, every collective pattern); the newest stack, which GPU machines run, all of the above.
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -60,15 +61,17 @@ def fast_deepseek(strategy: str, kernel: str) -> bool:
     return strategy == "ring" or (strategy, kernel) == ("usp", "cudnn")
 
 
+def marks(model: str, strategy: str, kernel: str) -> list:
+    """The slow cases (see the docstring); on the floor stack only the tiny Llama under none, ring and usp."""
+    if model == "deepseek" and not fast_deepseek(strategy, kernel):
+        return [pytest.mark.slow]
+    return [] if model == "llama" and strategy in ("none", "ring", "usp") else [pytest.mark.newest_stack]
+
+
 def cases() -> list:
-    """(model, strategy, kernel) for every model x strategy x kernel; the slow ones marked (see the docstring)."""
+    """(model, strategy, kernel) for every model x strategy x kernel, marked (see `marks`)."""
     return [
-        pytest.param(
-            model,
-            strategy,
-            kernel,
-            marks=[pytest.mark.slow] if model == "deepseek" and not fast_deepseek(strategy, kernel) else [],
-        )
+        pytest.param(model, strategy, kernel, marks=marks(model, strategy, kernel))
         for model in MODELS
         for strategy in STRATEGIES
         for kernel in KERNELS

@@ -119,19 +119,27 @@ def references():
     return get
 
 
+def newest(*case):
+    """A case the floor stack skips: expert, tensor and other-strategy variants, whose paths the floor checks in
+    tests/train/test_tensor_parallel.py, tests/parallel/test_experts.py and tests/parallel/test_strategies.py."""
+    return pytest.param(*case, marks=pytest.mark.newest_stack)
+
+
 @pytest.mark.parametrize(
     "model, mesh_config, parallel_config, make_batch",
     [
         *((FAMILIES[name], MeshConfig(fsdp=1, context=8), RING, packed_batch) for name in FAMILIES),
         *((WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
-        (FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
-        (FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
-        (BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
-        (WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
+        newest(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
+        newest(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
+        newest(BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
+        newest(WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
         (GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
-        (GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
-        (GPT_OSS, MeshConfig(fsdp=2, tensor=4), dataclasses.replace(PLAIN, expert_capacity_factor=4.0), packed_batch),
-        *((GPT_OSS, *STRATEGIES[name], long_document_batch) for name in STRATEGIES),
+        newest(GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
+        newest(
+            GPT_OSS, MeshConfig(fsdp=2, tensor=4), dataclasses.replace(PLAIN, expert_capacity_factor=4.0), packed_batch
+        ),
+        *(newest(GPT_OSS, *STRATEGIES[name], long_document_batch) for name in STRATEGIES),
         *(
             pytest.param(WINDOWED["gemma3"], *STRATEGIES[name], long_document_batch, marks=pytest.mark.slow)
             for name in STRATEGIES
