@@ -3,11 +3,14 @@ projections gather tokens (`parallel.gather`) and reduce-scatter them (`parallel
 
 Optional, as Hugging Face families have them: q/k/v biases (Qwen2's q/k/v_proj bias), an output bias (GPT-OSS's
 o_proj bias), a per-head RMSNorm of queries and keys over head_dim before rope (Qwen3's q_norm / k_norm), a sliding
-window (Mistral's sliding_window), a softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5)
-and learned attention sinks, one logit per head that joins every softmax as a key of value zero (GPT-OSS's sinks)."""
+window (Mistral's sliding_window), a softmax scale other than head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5),
+learned attention sinks, one logit per head that joins every softmax as a key of value zero (GPT-OSS's sinks), rotary
+embeddings of only the first features of each head (Qwen3.5's partial_rotary_factor) and an output gate, the output
+times sigmoid of a second query-sized projection (Qwen3.5's q_proj, whose rows hold query and gate per head)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -49,8 +52,9 @@ class Attention(nnx.Module):
     Parameters: q [embed, heads, head_dim], k / v [embed, kv_heads, head_dim], o [heads, head_dim, embed]; with
     `qkv_bias` q_bias / k_bias / v_bias HeadBias of the heads / kv heads; with `qk_norm` q_norm / k_norm
     RMSNorm(head_dim, eps=norm_eps, offset=norm_offset); with `o_bias` o_bias OutputBias [embed]; with `sinks` sinks
-    [heads] (zeros at first, no weight decay); `window` W: a query at i sees keys i - W < j <= i (None: all before it);
-    `scale`: the softmax scale (None: head_dim ** -0.5)."""
+    [heads] (zeros at first, no weight decay); with `output_gate` gate [embed, heads, head_dim]; `window` W: a query at
+    i sees keys i - W < j <= i (None: all before it); `scale`: the softmax scale (None: head_dim ** -0.5);
+    `rotary_dim`: rope rotates each head's first rotary_dim features (None: all of them)."""
 
     def __init__(
         self,
@@ -69,6 +73,8 @@ class Attention(nnx.Module):
         norm_offset: float = 0.0,
         window: int | None = None,
         scale: float | None = None,
+        rotary_dim: int | None = None,
+        output_gate: bool = False,
         param_dtype=jnp.float32,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -76,7 +82,7 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.dtype, self.window = dtype, window
         self.scale = head_dim**-0.5 if scale is None else scale
-        inv_freq, self.rope_factor = inverse_frequencies(head_dim, rope_theta, rope_scaling)
+        inv_freq, self.rope_factor = inverse_frequencies(rotary_dim or head_dim, rope_theta, rope_scaling)
         self.inv_freq = tuple(float(f) for f in inv_freq)
         self.q = normal_param(
             rngs, (embed_dim, num_heads, head_dim), embed_dim, ("embed", "heads", "head_dim"), param_dtype
@@ -89,6 +95,11 @@ class Attention(nnx.Module):
         )
         self.o = normal_param(
             rngs, (num_heads, head_dim, embed_dim), num_heads * head_dim, ("heads", "head_dim", "embed"), param_dtype
+        )
+        self.gate = (
+            normal_param(rngs, (embed_dim, num_heads, head_dim), embed_dim, ("embed", "heads", "head_dim"), param_dtype)
+            if output_gate
+            else None
         )
         heads, kv_heads = ("heads", "head_dim"), ("kv_heads", "head_dim")
         self.q_bias = HeadBias(num_heads, head_dim, heads, param_dtype) if qkv_bias else None
@@ -105,6 +116,12 @@ class Attention(nnx.Module):
         y = tokens.project("bte,ehd->bthd", kernel[...].astype(self.dtype), "h", repeat=repeat)
         return y if bias is None else bias(y)
 
+    def _rotate(self, x, positions):
+        """Rope on the first 2 * len(inv_freq) features of each head of x [batch, length, heads, head_dim]."""
+        rotary = 2 * len(self.inv_freq)
+        turned = apply_rope(x[..., :rotary], positions, jnp.asarray(self.inv_freq, jnp.float32), self.rope_factor)
+        return turned if rotary == x.shape[-1] else jnp.concatenate([turned, x[..., rotary:]], axis=-1)
+
     def __call__(self, x, positions, segment_ids=None):
         """x: [batch, length, embed] (the residual stream's layout, scattered over `tensor` under scattered tensor
         parallelism), positions/segment_ids: [batch, length] -> [batch, length, embed] in x's layout."""
@@ -114,13 +131,14 @@ class Attention(nnx.Module):
         v = checkpoint_name(self._project(tokens, self.v, self.v_bias, repeat=True), "v_proj")
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-        q = apply_rope(q, positions, inv_freq, self.rope_factor)
-        k = apply_rope(k, positions, inv_freq, self.rope_factor)
+        q, k = (self._rotate(x, positions) for x in (q, k))
         sinks = None if self.sinks is None else self.sinks[...]
         out = parallel.attention(
             q, k, v, segment_ids=segment_ids, causal=True, scale=self.scale, window=self.window, sinks=sinks
         )
+        if self.gate is not None:
+            gate = tokens.project("bte,ehd->bthd", self.gate[...].astype(self.dtype), "h")
+            out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
         y = checkpoint_name(
             parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"), "o_proj"
         )

@@ -9,6 +9,7 @@ from models.deepseek import DeepSeek
 from models.gemma3 import Gemma3
 from models.llama import Llama
 from models.mixtral import Mixtral
+from models.qwen3_5 import Qwen3_5
 
 # model.family -> the decoder that builds it; families whose differences are config fields share one
 REGISTRY = {
@@ -21,6 +22,7 @@ REGISTRY = {
     "mixtral": Mixtral,
     "gemma3": Gemma3,
     "gpt_oss": Mixtral,
+    "qwen3_5": Qwen3_5,
 }
 
 

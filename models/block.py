@@ -38,12 +38,16 @@ def experts(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MoE:
 class Block(nnx.Module):
     """x [batch, length, embed] -> (x, expert stats or None). `attention` is the family's attention module, made
     with the same rngs just before the block ((x, positions, segment_ids) -> [batch, length, embed]); `moe` chooses
-    the feed-forward: `moe` = experts(config) and `mlp` None, or `mlp` = SwiGLU(embed_dim, mlp_dim) and `moe` None."""
+    the feed-forward: `moe` = experts(config) and `mlp` None, or `mlp` = SwiGLU(embed_dim, mlp_dim) and `moe` None.
+    A family may set `norm_offset` (both norms', layers.norm.RMSNorm)."""
+
+    norm_offset: float = 0.0
 
     def __init__(self, config: ModelConfig, attention: nnx.Module, *, moe: bool, rngs: nnx.Rngs, **kw):
-        self.attn_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        norm = dict(eps=config.norm_eps, offset=self.norm_offset, rngs=rngs, **kw)
+        self.attn_norm = RMSNorm(config.embed_dim, **norm)
         self.attn = attention
-        self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps, rngs=rngs, **kw)
+        self.mlp_norm = RMSNorm(config.embed_dim, **norm)
         self.mlp = None if moe else SwiGLU(config.embed_dim, config.mlp_dim, rngs=rngs, **kw)
         self.moe = experts(config, rngs=rngs, **kw) if moe else None
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field, replace
 
 from layers.rope import RopeScalingConfig, stretch_scaling
 
-FULL, SLIDING = "full_attention", "sliding_attention"
-LAYER_TYPES = (FULL, SLIDING)  # Hugging Face's layer_types names
+FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
+LAYER_TYPES = (FULL, SLIDING, LINEAR)  # Hugging Face's layer_types names (linear: Gated DeltaNet)
 
 
 class ConfigError(ValueError):
@@ -75,6 +75,14 @@ class ModelConfig:
     expert_mlp: str = "swiglu"  # swiglu | clamped_swiglu (gate_up_proj and down_proj with biases, clamped SwiGLU)
     swiglu_alpha: float = 1.702  # swiglu_alpha: clamped_swiglu's sigmoid gain
     swiglu_limit: float = 7.0  # swiglu_limit: clamped_swiglu's gate clamp (above) and up clamp (both sides)
+    # Qwen3.5 / Qwen3-Next (qwen3_5; Hugging Face names in comments): gated full attention, Gated DeltaNet layers
+    partial_rotary_factor: float = 1.0  # partial_rotary_factor: rope turns this share of each head's features
+    attention_output_gate: bool = False  # q_proj's second half per head: attention output times sigmoid(gate)
+    linear_key_heads: int = 0  # linear_num_key_heads: a linear_attention layer's query/key heads
+    linear_heads: int = 0  # linear_num_value_heads: its value heads (a multiple of the key heads)
+    linear_key_dim: int = 0  # linear_key_head_dim
+    linear_value_dim: int = 0  # linear_value_head_dim
+    linear_conv_taps: int = 4  # linear_conv_kernel_dim: the causal convolution's taps before the recurrence
 
     @property
     def num_dense_layers(self) -> int:
@@ -92,6 +100,11 @@ class ModelConfig:
         if self.layer_types:
             return self.layer_types
         return (SLIDING if self.sliding_window else FULL,) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Features of each query / key head that rope turns: head_dim x partial_rotary_factor."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_dims(self) -> tuple[int, int, int, int]:
@@ -145,6 +158,8 @@ def check_model(m: ModelConfig) -> None:
     _check_experts(m)
 
 
+# families whose blocks may be Gated DeltaNet (linear_attention) layers
+LINEAR_FAMILIES = ("qwen3_5",)
 # families whose decoder has mixture-of-experts blocks (models/mixture.py); the others' blocks are all dense
 EXPERT_FAMILIES = ("deepseek", "qwen3_moe", "mixtral", "gpt_oss")
 # the rope scaling an unscaled model is stretched with, by family: a type its Hugging Face architecture reads
@@ -217,6 +232,23 @@ def _check_layer_types(m: ModelConfig) -> None:
         m.sliding_window > 0 or SLIDING not in m.layer_types,
         f"model.layer_types has {SLIDING} layers but model.sliding_window=0; set the window (> 0)",
     )
+    require(
+        0 < m.partial_rotary_factor <= 1 and m.rotary_dim % 2 == 0 and m.rotary_dim > 0,
+        f"model.partial_rotary_factor={m.partial_rotary_factor} must be in (0, 1] and turn an even number of "
+        f"features (model.head_dim={m.head_dim} x it = {m.head_dim * m.partial_rotary_factor:g})",
+    )
+    if LINEAR in m.layer_types:
+        require(
+            m.family in LINEAR_FAMILIES,
+            f"model.layer_types has {LINEAR} layers, which model.family={m.family} does not build; families with "
+            f"them: {', '.join(LINEAR_FAMILIES)}",
+        )
+        for key in ("linear_key_heads", "linear_heads", "linear_key_dim", "linear_value_dim", "linear_conv_taps"):
+            require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 with {LINEAR} layers")
+        require(
+            m.linear_heads % m.linear_key_heads == 0,
+            f"model.linear_heads={m.linear_heads} must be a multiple of model.linear_key_heads={m.linear_key_heads}",
+        )
 
 
 def _check_latent(m: ModelConfig) -> None:

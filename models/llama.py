@@ -19,7 +19,7 @@ from models.stack import make_layers, run_layers
 def attention(config: ModelConfig, kind: str, *, norm_offset: float = 0.0, rngs: nnx.Rngs, **kw) -> Attention:
     """The grouped-query attention of `config` in a layer of `kind` (LAYER_TYPES: a sliding one attends within
     sliding_window, rotating with local_rope_theta unscaled when that is set); biases, q/k norms (of `norm_offset`),
-    sinks and the softmax scale (query_pre_attn_scalar) as its fields say."""
+    sinks, the softmax scale (query_pre_attn_scalar), partial rotary and the output gate as its fields say."""
     local = kind == SLIDING and config.local_rope_theta > 0
     return Attention(
         config.embed_dim,
@@ -36,6 +36,8 @@ def attention(config: ModelConfig, kind: str, *, norm_offset: float = 0.0, rngs:
         norm_offset=norm_offset,
         window=config.sliding_window if kind == SLIDING else None,
         scale=config.query_pre_attn_scalar**-0.5 if config.query_pre_attn_scalar else None,
+        rotary_dim=config.rotary_dim,
+        output_gate=config.attention_output_gate,
         rngs=rngs,
         **kw,
     )

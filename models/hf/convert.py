@@ -95,7 +95,7 @@ def _plan(
         raise ValueError(
             f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. {', '.join(missing[:3])}"
         )
-    filled = {tensor.ours for entries in plan.values() for _, tensor, _ in entries}
+    filled = {path for entries in plan.values() for _, tensor, _ in entries for path in tensor.paths}
     unfilled = set(shapes) - filled - set(family.zeros(config))
     if unfilled:
         raise ValueError(
@@ -111,25 +111,26 @@ def _read(stored: StoredTensors, plan: dict[str, list], shapes: dict, config) ->
     remaining = dict.fromkeys(shapes, 0)
     for entries in plan.values():
         for _, tensor, _ in entries:
-            remaining[tensor.ours] += 1
+            for path in tensor.paths:
+                remaining[path] += 1
     buffers: dict[tuple, np.ndarray] = {}
     params: dict[tuple, jax.Array] = {}
     for file, entries in plan.items():
         for name, tensor, index in entries:
-            target = shapes[tensor.ours]
-            value = tensor.to_ours(stored.get(name), config)
-            if value.shape != target.shape[len(index) :]:
-                raise ValueError(
-                    f"{stored.path / file}: {name} gives shape {value.shape} for "
-                    f"{'.'.join(tensor.ours)}{list(index)}, expected {target.shape[len(index) :]}"
-                )
-            if tensor.ours not in buffers:
-                buffers[tensor.ours] = _aligned_empty(target.shape, target.dtype)
-            buffers[tensor.ours][index] = value.astype(target.dtype, copy=False)
-            del value  # freed before the next read
-            remaining[tensor.ours] -= 1
-            if not remaining[tensor.ours]:
-                params[tensor.ours] = jax.device_put(buffers.pop(tensor.ours))
+            for path, value in zip(tensor.paths, tensor.parts(stored.get(name), config), strict=True):
+                target = shapes[path]
+                if value.shape != target.shape[len(index) :]:
+                    raise ValueError(
+                        f"{stored.path / file}: {name} gives shape {value.shape} for "
+                        f"{'.'.join(path)}{list(index)}, expected {target.shape[len(index) :]}"
+                    )
+                if path not in buffers:
+                    buffers[path] = _aligned_empty(target.shape, target.dtype)
+                buffers[path][index] = value.astype(target.dtype, copy=False)
+                del value  # freed before the next read
+                remaining[path] -= 1
+                if not remaining[path]:
+                    params[path] = jax.device_put(buffers.pop(path))
     return params
 
 
@@ -288,9 +289,10 @@ def save_pretrained(
     def write(directory: pathlib.Path) -> list[str]:
         shards = _Shards(directory, max_shard_bytes)
         for tensor in family.tensors(config):
-            host = np.asarray(params[tensor.ours])  # no copy on CPU; one (stacked) parameter from an accelerator
+            host = [np.asarray(params[path]) for path in tensor.paths]  # no copy on CPU; one (stacked) parameter each
             for fields, index in tensor.slices(config):
-                shards.add(tensor.hf.format(**fields), np.ascontiguousarray(tensor.to_hf(host[index], config)))
+                value = tensor.joined(tuple(h[index] for h in host), config)
+                shards.add(tensor.hf.format(**fields), np.ascontiguousarray(value))
         names = shards.finish()
         (directory / CONFIG).write_text(json.dumps(hf_config, indent=2, sort_keys=True))
         for file in extra_files:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.hf import deepseek, gemma3, gemma3_vision, gpt_oss, llama, mistral, qwen
+from models.hf import deepseek, gemma3, gemma3_vision, gpt_oss, llama, mistral, qwen, qwen3_5
 from models.hf.spec import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -18,6 +18,8 @@ FAMILIES: tuple[Family, ...] = (
     gemma3.FAMILY,
     gemma3_vision.FAMILY,
     gpt_oss.FAMILY,
+    qwen3_5.FAMILY,
+    qwen3_5.VL_FAMILY,
 )
 
 

@@ -164,13 +164,29 @@ class Tensor:
     the leading indices of our parameter it fills (() for all of it, (layer,) in a stacked one, (layer, expert) in
     stacked expert kernels).
     `to_ours(tensor, config)` gives that slice and `to_hf(slice, config)` the tensor back; both only move elements.
+    Where one Hugging Face tensor holds several of our parameters (Qwen3.5's in_proj_qkv: our q, k and v), `ours`
+    is a tuple of their paths, `to_ours` returns one slice per path and `to_hf` takes them as a tuple.
     """
 
     hf: str
-    ours: tuple[str, ...]
+    ours: tuple[str, ...] | tuple[tuple[str, ...], ...]
     to_ours: Transform = same
     to_hf: Transform = same
     slices: Slices = whole
+
+    @property
+    def paths(self) -> tuple[tuple[str, ...], ...]:
+        """The paths of the parameters this tensor fills: (ours,) or ours."""
+        return self.ours if isinstance(self.ours[0], tuple) else (self.ours,)
+
+    def parts(self, tensor: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, ...]:
+        """to_ours as one slice per path of `paths`."""
+        value = self.to_ours(tensor, config)
+        return value if isinstance(self.ours[0], tuple) else (value,)
+
+    def joined(self, parts: tuple[np.ndarray, ...], config: ModelConfig) -> np.ndarray:
+        """to_hf of one slice per path of `paths`."""
+        return self.to_hf(parts if isinstance(self.ours[0], tuple) else parts[0], config)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     assert "gpu compiler's buffer assignment" in text and "cuDNN's workspace" in text
 
 
+@pytest.mark.newest_stack
 def test_h200_plan_has_its_memory_and_hosts():
     argv = [str(TINY), *OVERRIDES, "mesh.fsdp=-1", "--plan", "--target", "h200", "--devices", "16"]
     status, text, plan = plan_from_cli(argv)
@@ -91,6 +92,7 @@ def test_h200_plan_has_its_memory_and_hosts():
     assert "h200: 141.00 GiB per device" in text
 
 
+@pytest.mark.newest_stack
 def test_host_offload_plans_for_a_gpu(capsys):
     """Refused on CPU, where there is no host memory apart from the device's, but a GPU has one."""
     argv = [str(TINY), *OVERRIDES, "model.num_layers=1", "compute.remat_policy=offload_projections", "--plan"]

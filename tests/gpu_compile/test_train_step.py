@@ -1,10 +1,12 @@
 """The train step compiles for 8 H100s through XLA's GPU compiler, with no GPU (parallel/targets.py), for every
-context strategy x attention kernel on llama-tiny and deepseek-tiny: packed rows, scattered tensor parallelism,
-expert parallelism with the capacity and the ragged dispatch. Each is what `python -m train CONFIG --plan --target
-h100 --devices 8` compiles, and each checks that the kernel it names is the one in the compiled program.
-deepseek-tiny's latent attention and experts take every kernel under the ring and cuDNN under USP; its other cases
-are slow (the GPU compiler takes 20-60 s each). The floor stack compiles the tiny Llama under none, ring and usp
-(every kernel, every collective pattern); the newest stack, which GPU machines run, all of the above.
+context strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny: packed rows, scattered tensor
+parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m train CONFIG --plan
+--target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the compiled program.
+deepseek-tiny's latent attention and experts take blockwise and Pallas under the ring and cuDNN under USP; the tiny
+Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under the ring; their
+other cases are slow (the GPU compiler takes 20-90 s each). The floor stack compiles
+the tiny Llama under none, ring and usp (every kernel, every collective pattern); the newest stack, which GPU machines
+run, all of the above.
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -37,7 +39,9 @@ MODELS = {  # config, overrides, mesh per strategy (deepseek: the experts split 
         [],
         {name: {**mesh, "fsdp": mesh["fsdp"] // 2, "expert": 2} for name, mesh in LLAMA_MESHES.items()},
     ),
+    "qwen3_5": ("configs/qwen3_5-tiny.yaml", [], LLAMA_MESHES),
 }
+QWEN3_5 = (("ring", "cudnn"),)  # the tiny Qwen3.5's case that runs by default
 # the custom calls that show a kernel in the compiled program
 CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": "__gpu$xla.gpu.triton"}
 
@@ -57,13 +61,15 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def fast_deepseek(strategy: str, kernel: str) -> bool:
-    """Whether deepseek-tiny's case runs by default: every kernel under the ring, cuDNN under USP."""
-    return strategy == "ring" or (strategy, kernel) == ("usp", "cudnn")
+    """Whether deepseek-tiny's case runs by default: blockwise and Pallas under the ring, cuDNN under USP."""
+    return (strategy == "ring" and kernel != "cudnn") or (strategy, kernel) == ("usp", "cudnn")
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
     """The slow cases (see the docstring); on the floor stack only the tiny Llama under none, ring and usp."""
-    if model == "deepseek" and not fast_deepseek(strategy, kernel):
+    if (model == "deepseek" and not fast_deepseek(strategy, kernel)) or (
+        model == "qwen3_5" and (strategy, kernel) not in QWEN3_5
+    ):
         return [pytest.mark.slow]
     return [] if model == "llama" and strategy in ("none", "ring", "usp") else [pytest.mark.newest_stack]
 
@@ -83,7 +89,8 @@ def test_train_step_compiles_for_h100(model, strategy, kernel):
     config = load_config(REPO / MODELS[model][0], overrides(model, strategy, kernel))
     plan = plan_memory(config, targets.compile_only_devices("h100", 8))
     assert (plan.platform, plan.devices, plan.attention_kernel) == ("gpu", 8, kernel)
-    assert plan.expert_dispatch == ("none" if model == "llama" else "capacity" if kernel == "blockwise" else "ragged")
+    dense = model != "deepseek"
+    assert plan.expert_dispatch == ("none" if dense else "capacity" if kernel == "blockwise" else "ragged")
     text = plan.compiled.as_text()
     for name, call in CUSTOM_CALLS.items():
         # cudnn serves the diagonal and all-visible calls and compiles Pallas for the rest (a run-time branch)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import models
@@ -63,6 +64,7 @@ def test_router_bias_is_not_a_parameter():
     )
 
 
+@pytest.mark.newest_stack
 def test_tiny_config_trains_over_context_tensor_and_expert_axes(tmp_path):
     run(
         load_config(

@@ -74,6 +74,7 @@ def test_metadata_rebuilds_the_mask(causal):
     assert np.array_equal(meta.kv_valid, reference_mask(seg, kv_seg, False).any(-2))
 
 
+@pytest.mark.newest_stack
 def test_too_many_segments_run_the_blockwise_kernel():
     """A row whose query ids span more than max_segments slots: the call runs the blockwise kernel (equal to it),
     with static and with traced indices; within the limit it runs the stand-in."""
@@ -178,6 +179,7 @@ def test_standin_kernel_equals_blockwise(heads, packed, kind):
     assert_same(run(*STANDIN_KERNEL, *args), run(blockwise.forward, blockwise.backward, *args))
 
 
+@pytest.mark.newest_stack
 def test_traced_indices_choose_the_kind_at_run_time():
     """Under jit the indices are traced: the diagonal and preceding calls run the stand-in, the others (queries
     before keys; a dual_chunk ring step, partly visible) are general for one call (queries before keys then runs
@@ -199,7 +201,7 @@ def test_traced_indices_choose_the_kind_at_run_time():
         assert_same(got(q_side.index, kv_side.index), want)
 
 
-@pytest.mark.parametrize("ranks", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("ranks", [(2, 1), pytest.param((1, 2), marks=pytest.mark.newest_stack)])
 def test_dual_chunk_ring_steps_run_as_halves(ranks):
     """A dual_chunk ring step off the diagonal (rank q_rank's queries against rank kv_rank's piece of 4): neither
     kind as one call, but its query halves x key halves are each all-visible or invisible, so it runs the served

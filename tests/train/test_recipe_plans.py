@@ -36,6 +36,7 @@ def plan(name: str, devices: int) -> subprocess.CompletedProcess:
     "name, devices",
     [("finetune-128k-qwen3-8b", 8), ("finetune-128k-qwen3-30b-a3b", 16), ("finetune-128k-gpt-oss-20b", 8)],
 )
+@pytest.mark.newest_stack
 def test_128k_recipe_fits_80_gib(name, devices):
     done = plan(name, devices)
     assert done.returncode == 0 and "fits" in done.stdout, done.stdout + done.stderr

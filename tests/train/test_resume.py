@@ -97,6 +97,7 @@ def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
     assert losses(tmp_path) == reference
 
 
+@pytest.mark.newest_stack
 def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(reference, tmp_path):
     """Killed while the checkpoint of step 4 or later is written, after steps beyond the last complete one were
     logged: the rerun resumes from that one, logs those steps once more (each once) and leaves no partial
@@ -112,6 +113,7 @@ def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(reference, tmp_pa
     assert not any("tmp" in p.name for p in checkpoints.iterdir())
 
 
+@pytest.mark.newest_stack
 def test_corrupt_newest_and_leftover_partial_checkpoints_are_skipped(reference, tmp_path):
     """The newest complete checkpoint (6) is corrupt and a partial one (8, no optimizer state) is left over: the
     partial one is removed without being read, the corrupt one set aside with a warning naming the `mv` that
