@@ -43,6 +43,15 @@ class Pieces:
     size: int
     order: np.ndarray  # [shards, per_device] int32
 
+    @property
+    def by_position(self) -> np.ndarray:
+        """[pieces]: the flattened (device, slot) of the piece at each original position."""
+        return np.argsort(self.order, axis=None)
+
+    def rank(self):
+        """This device's index along the split axes (0 when the row is not split); inside the shard_map."""
+        return 0 if self.axis is None else _rank(self.axis)
+
 
 def pieces(length: int, plan, mesh) -> Pieces:
     """The pieces of a row in `plan`'s layout, split over its axis under every strategy but `none` (usp: both axes,
@@ -109,8 +118,7 @@ def gated_delta(q, k, v, g, beta, segment_ids=None, *, chunk: int = kernel.CHUNK
 
     def whole_row(q, k, v, g, beta, seg):
         """The row in original order (static moves of the layout's pieces there and back), one run from zero."""
-        inverse = np.argsort(layout.order[0])
-        q, k, v, g, beta, seg = (_join(_split(x, layout)[:, inverse]) for x in (q, k, v, g, beta, seg))
+        q, k, v, g, beta, seg = (_join(_split(x, layout)[:, layout.by_position]) for x in (q, k, v, g, beta, seg))
         zero = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
         start = jnp.full(seg.shape[:1], NO_SEGMENT, seg.dtype)
         out, _ = kernel.chunked(q, k, v, g, beta, seg, state=zero, start_seg=start, chunk=chunk)
@@ -154,16 +162,16 @@ def _before(xs, segs, width: int, layout: Pieces):
     tail is gathered from every device, put in original order behind `width` such rows, and each piece reads the
     `width` rows before its own."""
     tail = min(width, layout.size)
-    inverse = np.argsort(layout.order, axis=None)  # original position -> (device, slot) flattened
-    rank = 0 if layout.axis is None else _rank(layout.axis)
-    firsts = jnp.asarray(layout.order * tail)[rank]  # [per_device]: each piece's first row in the gathered tails
+    firsts = jnp.asarray(layout.order * tail)[
+        layout.rank()
+    ]  # [per_device]: each piece's first row in the gathered tails
 
     def read(a, fill):
         """The rows before each local piece of a [batch, per_device, size, ...]."""
         a = a[:, :, layout.size - tail :]
         if layout.axis is not None:
             a = lax.all_gather(a, layout.axis, axis=1, tiled=True)  # [batch, pieces, tail, ...]
-        a = a[:, inverse].reshape(a.shape[0], -1, *a.shape[3:])  # in original order
+        a = a[:, layout.by_position].reshape(a.shape[0], -1, *a.shape[3:])  # in original order
         a = jnp.concatenate([jnp.full((a.shape[0], width, *a.shape[2:]), fill, a.dtype), a], axis=1)
         return jnp.stack([lax.dynamic_slice_in_dim(a, f, width, axis=1) for f in firsts], axis=1)
 
@@ -178,14 +186,13 @@ def _incoming(maps, layout: Pieces, shape, value_dim: int):
     maps = maps.reshape(batch, per_device, *maps.shape[1:])
     if layout.axis is not None:
         maps = lax.all_gather(maps, layout.axis, axis=1, tiled=True)
-    ordered = jnp.moveaxis(maps[:, np.argsort(layout.order, axis=None)], 1, 0)  # [pieces, batch, heads, dk, dk + dv]
+    ordered = jnp.moveaxis(maps[:, layout.by_position], 1, 0)  # [pieces, batch, heads, dk, dk + dv]
 
     def fold(state, piece):
         return piece[..., :-value_dim] @ state + piece[..., -value_dim:], state
 
     _, before = lax.scan(fold, jnp.zeros_like(ordered[0, ..., -value_dim:]), ordered)  # [pieces, batch, heads, dk, dv]
-    rank = 0 if layout.axis is None else _rank(layout.axis)
-    mine = jnp.take(before, jnp.asarray(layout.order)[rank], axis=0)  # [per_device, batch, ...]
+    mine = jnp.take(before, jnp.asarray(layout.order)[layout.rank()], axis=0)  # [per_device, batch, ...]
     return jnp.moveaxis(mine, 0, 1).reshape(batch * per_device, *mine.shape[2:])
 
 
@@ -208,11 +215,8 @@ def _sharded(local, layout: Pieces, mesh, arrays, segment_ids, weights=(), every
         return local(*operands)
     batch, heads = logical_spec(("batch",), mesh)[0], logical_spec(("heads",), mesh)[0]
     spec = lambda x: mention_unit_axes(PartitionSpec(batch, layout.axis, heads, *([None] * (x.ndim - 3))), mesh)
-    in_specs = (
-        *map(spec, arrays),
-        *(PartitionSpec(None, heads, None) for _ in weights),
-        PartitionSpec(batch, layout.axis),
-    )
-    in_specs = tuple(mention_unit_axes(s, mesh) for s in in_specs)
+    weight_spec, seg_spec = PartitionSpec(None, heads, None), PartitionSpec(batch, layout.axis)
+    in_specs = (*map(spec, arrays), *(mention_unit_axes(weight_spec, mesh) for _ in weights))
+    in_specs = (*in_specs, mention_unit_axes(seg_spec, mesh))
     out_specs = tuple(map(spec, arrays)) if every_output else spec(arrays[0])
     return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(*operands)

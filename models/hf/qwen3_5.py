@@ -18,7 +18,18 @@ import numpy as np
 from models.config import FULL, LINEAR, ModelConfig
 from models.hf import gqa
 from models.hf.rope import DEFAULT_THETA, rope_from_hf
-from models.hf.spec import Family, Nesting, Placement, Tensor, check_fields, never, placements, transpose
+from models.hf.spec import (
+    Family,
+    Nesting,
+    Placement,
+    Tensor,
+    check_fields,
+    heads_in_to_hf,
+    heads_out_to_hf,
+    never,
+    placements,
+    transpose,
+)
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
 ROPE_TYPES = ("default",)
@@ -92,7 +103,11 @@ def config_to_hf(config: ModelConfig) -> dict:
     check_fields(config, FIELDS, ARCHITECTURE)
     hf = gqa.config_to_hf(config, ARCHITECTURE, "qwen3_5_text", ROPE_TYPES)
     del hf["rope_scaling"]  # None: the default rope
-    rope = {"rope_type": "default", "rope_theta": hf.pop("rope_theta"), **_partial(config)}
+    rope = {
+        "rope_type": "default",
+        "rope_theta": hf.pop("rope_theta"),
+        "partial_rotary_factor": config.partial_rotary_factor,
+    }
     return {
         **hf,
         **REQUIRED,
@@ -100,11 +115,6 @@ def config_to_hf(config: ModelConfig) -> dict:
         "layer_types": list(config.layer_kinds),
         **{key: getattr(config, ours) for ours, key in LINEAR_KEYS.items()},
     }
-
-
-def _partial(config: ModelConfig) -> dict:
-    """{"partial_rotary_factor": the model's}."""
-    return {"partial_rotary_factor": config.partial_rotary_factor}
 
 
 def _kind(config: ModelConfig, block: Placement) -> str:
@@ -132,32 +142,39 @@ def _linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
     return [keys, keys, (config.linear_heads, config.linear_value_dim)]
 
 
+def _split_channels(columns: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, ...]:
+    """[n, channels] with channels [q | k | v] (in_proj_qkv's rows, conv1d's channels) -> q, k, v [n, heads, dim]."""
+    shapes = _linear_shapes(config)
+    parts = np.split(columns, np.cumsum([h * d for h, d in shapes])[:-1], axis=1)
+    return tuple(p.reshape(p.shape[0], h, d) for p, (h, d) in zip(parts, shapes, strict=True))
+
+
+def _join_channels(parts: tuple[np.ndarray, ...]) -> np.ndarray:
+    """q, k, v [n, heads, dim] -> [n, channels]: `_split_channels` undone."""
+    return np.concatenate([p.reshape(p.shape[0], -1) for p in parts], axis=1)
+
+
 def _qkv_in(weight: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, ...]:
     """in_proj_qkv weight [(2 key heads * key dim + heads * value dim), embed] -> q, k, v kernels [embed, heads,
     dim]."""
-    sizes = [h * d for h, d in _linear_shapes(config)]
-    parts = np.split(weight.T, np.cumsum(sizes)[:-1], axis=1)
-    return tuple(p.reshape(p.shape[0], h, d) for p, (h, d) in zip(parts, _linear_shapes(config), strict=True))
+    return _split_channels(weight.T, config)
 
 
 def _qkv_out(parts: tuple[np.ndarray, ...], config: ModelConfig) -> np.ndarray:
     """q, k, v kernels [embed, heads, dim] -> in_proj_qkv weight."""
     del config
-    return np.concatenate([p.reshape(p.shape[0], -1) for p in parts], axis=1).T
+    return _join_channels(parts).T
 
 
 def _conv_in(weight: np.ndarray, config: ModelConfig) -> tuple[np.ndarray, ...]:
     """conv1d weight [channels, 1, taps] (channels [q | k | v]) -> conv_q, conv_k, conv_v [taps, heads, dim]."""
-    taps = weight[:, 0, :].T  # [taps, channels]
-    sizes = [h * d for h, d in _linear_shapes(config)]
-    parts = np.split(taps, np.cumsum(sizes)[:-1], axis=1)
-    return tuple(p.reshape(p.shape[0], h, d) for p, (h, d) in zip(parts, _linear_shapes(config), strict=True))
+    return _split_channels(weight[:, 0, :].T, config)
 
 
 def _conv_out(parts: tuple[np.ndarray, ...], config: ModelConfig) -> np.ndarray:
     """conv_q, conv_k, conv_v [taps, heads, dim] -> conv1d weight [channels, 1, taps]."""
     del config
-    return np.concatenate([p.reshape(p.shape[0], -1) for p in parts], axis=1).T[:, None, :]
+    return _join_channels(parts).T[:, None, :]
 
 
 def _values_in(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
@@ -165,21 +182,9 @@ def _values_in(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
     return weight.T.reshape(weight.shape[1], config.linear_heads, config.linear_value_dim)
 
 
-def _heads_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """[embed, heads, dim] -> Linear weight [heads * dim, embed]."""
-    del config
-    return kernel.reshape(kernel.shape[0], -1).T
-
-
 def _out_in(weight: np.ndarray, config: ModelConfig) -> np.ndarray:
     """out_proj weight [embed, heads * value dim] -> kernel [heads, value dim, embed]."""
     return weight.T.reshape(config.linear_heads, config.linear_value_dim, weight.shape[0])
-
-
-def _out_to_hf(kernel: np.ndarray, config: ModelConfig) -> np.ndarray:
-    """[heads, value dim, embed] -> out_proj weight [embed, heads * value dim]."""
-    del config
-    return kernel.reshape(-1, kernel.shape[-1]).T
 
 
 def full_attention(config: ModelConfig, block: Placement) -> list[Tensor]:
@@ -196,14 +201,14 @@ def linear_attention(block: Placement) -> list[Tensor]:
     attn, ours, slices = "model.layers.{layer}.linear_attn.", (*block.path, "attn"), block.slices
     return [
         Tensor(attn + "in_proj_qkv.weight", tuple((*ours, p) for p in "qkv"), _qkv_in, _qkv_out, slices),
-        Tensor(attn + "in_proj_z.weight", (*ours, "z"), _values_in, _heads_to_hf, slices),
+        Tensor(attn + "in_proj_z.weight", (*ours, "z"), _values_in, heads_in_to_hf, slices),
         Tensor(attn + "in_proj_b.weight", (*ours, "b"), transpose, transpose, slices),
         Tensor(attn + "in_proj_a.weight", (*ours, "a"), transpose, transpose, slices),
         Tensor(attn + "conv1d.weight", tuple((*ours, f"conv_{p}") for p in "qkv"), _conv_in, _conv_out, slices),
         Tensor(attn + "A_log", (*ours, "a_log"), slices=slices),
         Tensor(attn + "dt_bias", (*ours, "dt_bias"), slices=slices),
         Tensor(attn + "norm.weight", (*ours, "norm_scale"), slices=slices),
-        Tensor(attn + "out_proj.weight", (*ours, "out"), _out_in, _out_to_hf, slices),
+        Tensor(attn + "out_proj.weight", (*ours, "out"), _out_in, heads_out_to_hf, slices),
     ]
 
 
