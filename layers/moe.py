@@ -6,7 +6,7 @@ experts, without one; optional group-limited routing; an optional learned bias o
 whose softmax over the top-k logits is the renormalised softmax over all); routed SwiGLU experts, or GPT-OSS's
 clamped SwiGLU experts with biases (layers/clamped_swiglu.py), run where `parallel.routed_experts` sends the tokens
 (dropless on one device; under expert parallelism a capacity per expert that the parallel plan sets); optional shared
-experts.
+experts, their output scaled by a sigmoid gate in Qwen3-Next and Qwen3.5-MoE (`shared_gate`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,16 @@ def expert_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
     return jax.lax.ragged_dot(hidden, down, group_sizes)
 
 
+def load_balancing_loss(counts: jax.Array, probabilities: jax.Array, k: int) -> jax.Array:
+    """Switch Transformer's load-balancing loss over MoE layers, as transformers' load_balancing_loss_func pools them:
+    experts x sum_e f_e x P_e, f_e the share of routed rows and P_e the mean router probability of expert e over
+    every layer's tokens; k when balanced. counts / probabilities: per layer and expert, summed over the tokens
+    [layers, experts] (a layer routes counts.sum() / k tokens) -> [] float32; gradients flow through
+    probabilities."""
+    rows = jnp.sum(counts) / k
+    return counts.shape[-1] * jnp.sum(counts.sum(0) * probabilities.sum(0)) / (rows * rows)
+
+
 def load_imbalance(counts: jax.Array) -> jax.Array:
     """max(counts) / mean(counts) of the expert loads [experts]; 1.0 is a perfect balance."""
     return jnp.max(counts) / jnp.mean(counts)
@@ -63,7 +73,9 @@ class MoE(nnx.Module):
     SwiGLU(moe_mlp * num_shared) or None. With expert_mlp "clamped_swiglu" the experts are experts_gate_up [experts,
     embed, 2 * moe_mlp] (gate and up interleaved), experts_gate_up_bias [experts, 2 * moe_mlp], experts_down and
     experts_down_bias [experts, embed] (GPT-OSS: mlp.router.weight.T / .bias and mlp.experts.gate_up_proj,
-    gate_up_proj_bias, down_proj, down_proj_bias as they are).
+    gate_up_proj_bias, down_proj, down_proj_bias as they are). The shared experts are one SwiGLU of `shared_mlp_dim`
+    (0: moe_mlp x num_shared); with `shared_gate` their output is scaled by sigmoid(x @ shared_gate [embed, 1])
+    (mlp.shared_expert_gate.weight.T).
     Hugging Face: router = mlp.gate.weight.T, bias = mlp.gate.e_score_correction_bias (V3),
     experts_{gate,up,down}[i] = mlp.experts.{i}.{gate,up,down}_proj.weight.T,
     shared.{gate,up,down} = mlp.shared_experts.{gate,up,down}_proj.weight.T (Mixtral: block_sparse_moe.gate and
@@ -87,6 +99,8 @@ class MoE(nnx.Module):
         expert_mlp: str = "swiglu",
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        shared_mlp_dim: int = 0,
+        shared_gate: bool = False,
         param_dtype: jnp.dtype = jnp.float32,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs,
@@ -145,14 +159,25 @@ class MoE(nnx.Module):
             _expert_init(rngs.params(), (num_experts, moe_mlp_dim, embed_dim), param_dtype), ("experts", "mlp", "embed")
         )
         self.shared = (
-            SwiGLU(embed_dim, moe_mlp_dim * num_shared_experts, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+            SwiGLU(
+                embed_dim,
+                shared_mlp_dim or moe_mlp_dim * num_shared_experts,
+                param_dtype=param_dtype,
+                dtype=dtype,
+                rngs=rngs,
+            )
             if num_shared_experts
+            else None
+        )
+        self.shared_gate = (
+            logical_param(_router_init(rngs.params(), (embed_dim, 1), param_dtype), ("embed", None))
+            if num_shared_experts and shared_gate
             else None
         )
 
     def route(self, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """tokens: [tokens, embed] -> (weights [tokens, k] float32, experts [tokens, k] int32), see `_route`."""
-        return self._route(tokens, *self._route_params())
+        return self._route(tokens, *self._route_params())[:2]
 
     def _route_params(self) -> tuple[jax.Array, ...]:
         """(router, selection bias, and the router's logit bias when there is one)."""
@@ -161,24 +186,26 @@ class MoE(nnx.Module):
 
     def _route(
         self, tokens: jax.Array, router: jax.Array, bias: jax.Array, logit_bias: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """tokens: [tokens, embed], router [embed, experts], bias [experts], logit_bias [experts] or None ->
-        (weights [tokens, k] float32, experts [tokens, k] int32).
+        (weights [tokens, k] float32, experts [tokens, k] int32, probabilities [tokens, experts] float32).
 
         sigmoid (DeepSeek-V3): experts are chosen by sigmoid scores + bias, groups scored by the sum of their
         top 2 choice scores. softmax (DeepSeek-V2): experts are chosen by the softmax over all experts, groups
         scored by their best expert; the bias is not used. Either picks the top experts within the topk_group best
         groups; the weights are the un-biased scores of the chosen experts, renormalised if norm_topk_prob, times
-        the scaling factor.
+        the scaling factor. The probabilities (what a load-balancing loss reads) are the softmax over all experts, or
+        the sigmoid scores normalised to sum to 1.
         """
         logits = jnp.dot(tokens.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         if logit_bias is not None:
             logits = logits + logit_bias.astype(jnp.float32)
         if self.router_score == "softmax":
-            scores = choice = jax.nn.softmax(logits, axis=-1)
+            scores = choice = probabilities = jax.nn.softmax(logits, axis=-1)
         else:
             scores = jax.nn.sigmoid(logits)
             choice = scores + bias.astype(jnp.float32)
+            probabilities = scores / scores.sum(-1, keepdims=True)
         if self.n_group > 1:
             grouped = choice.reshape(choice.shape[0], self.n_group, -1)
             group_scores = (
@@ -193,14 +220,15 @@ class MoE(nnx.Module):
         weights = jnp.take_along_axis(scores, experts, axis=-1)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-        return weights * self.routed_scaling_factor, experts
+        return weights * self.routed_scaling_factor, experts, probabilities
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """x: [batch, length, embed] in the residual stream's layout -> (y [batch, length, embed] in `dtype`, same
         layout, {"counts": routed assignments per expert [experts], "dropped": assignments past the dispatch
-        capacity []}, float32). The routed experts go through `parallel.routed_experts` (tokens move to the
-        experts' devices); the shared experts are a SwiGLU with explicit collectives."""
-        y, counts, dropped = parallel.routed_experts(
+        capacity [], "probabilities": the router's probabilities summed per expert [experts]}, float32, over every
+        token). The routed experts go through `parallel.routed_experts` (tokens move to the experts' devices); the
+        shared experts are a SwiGLU with explicit collectives."""
+        routed = parallel.routed_experts(
             x.astype(self.dtype),
             self._route,
             self._route_params(),
@@ -208,9 +236,14 @@ class MoE(nnx.Module):
             tuple(m[...].astype(self.dtype) for m in self._expert_arrays()),
             num_experts=self.num_experts,
         )
+        y = routed.y
         if self.shared is not None:
-            y = y + self.shared(x)
-        return y, {"counts": counts, "dropped": dropped}
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                gate = jnp.einsum("bld,dg->blg", x.astype(self.dtype), self.shared_gate[...].astype(self.dtype))
+                shared = jax.nn.sigmoid(gate) * shared
+            y = y + shared
+        return y, {"counts": routed.counts, "dropped": routed.dropped, "probabilities": routed.probabilities}
 
     def _ffn(self):
         """The routed experts' feed-forward (rows, *expert arrays, group_sizes=None) -> rows."""

@@ -9,7 +9,7 @@ from models.deepseek import DeepSeek
 from models.gemma3 import Gemma3
 from models.llama import Llama
 from models.mixtral import Mixtral
-from models.qwen3_5 import Qwen3_5
+from models.qwen3_5 import Qwen3_5, Qwen3_5Moe
 
 # model.family -> the decoder that builds it; families whose differences are config fields share one
 REGISTRY = {
@@ -23,6 +23,8 @@ REGISTRY = {
     "gemma3": Gemma3,
     "gpt_oss": Mixtral,
     "qwen3_5": Qwen3_5,
+    "qwen3_5_moe": Qwen3_5Moe,
+    "qwen3_next": Qwen3_5Moe,
 }
 
 

@@ -30,6 +30,8 @@ def experts(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MoE:
         expert_mlp=config.expert_mlp,
         swiglu_alpha=config.swiglu_alpha,
         swiglu_limit=config.swiglu_limit,
+        shared_mlp_dim=config.shared_expert_mlp_dim,
+        shared_gate=config.shared_expert_gate,
         rngs=rngs,
         **kw,
     )
@@ -53,8 +55,7 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, segment_ids):
         """x: [batch, length, embed], positions/segment_ids: [batch, length] -> (x, None) from a dense block, (x,
-        {"counts": assignments per expert [experts], "dropped": assignments past the dispatch capacity []} float32)
-        from an MoE block."""
+        the expert statistics of layers.moe.MoE) from an MoE block."""
         x = x + self.attn(self.attn_norm(x), positions, segment_ids)
         if self.moe is None:
             return parallel.residual(x + self.mlp(self.mlp_norm(x))), None

@@ -61,6 +61,9 @@ class ModelConfig:
     experts_per_token: int = 0  # num_experts_per_tok
     moe_mlp_dim: int = 0  # moe_intermediate_size; intermediate_size (Mixtral)
     num_shared_experts: int = 0  # n_shared_experts (0: no shared expert, as Qwen3-MoE and Mixtral)
+    # shared_expert_intermediate_size (Qwen3-Next, Qwen3.5-MoE): the shared experts' MLP; 0 = moe_mlp_dim x their number
+    shared_expert_mlp_dim: int = 0
+    shared_expert_gate: bool = False  # shared_expert_gate: the shared experts' output times sigmoid(x @ w)
     first_dense_layers: int = 0  # first_k_dense_replace; Qwen3-MoE's mlp_only_layers [0, ..., k - 1]
     n_group: int = 1  # n_group (group-limited routing; 1 = off)
     topk_group: int = 1  # topk_group
@@ -68,6 +71,8 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # routed_scaling_factor
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
     router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (all others, no bias)
+    # router_aux_loss_coef: weight of the load-balancing loss (softmax routing; transformers' load_balancing_loss_func)
+    router_aux_loss_coef: float = 0.0
     # GPT-OSS (gpt_oss; Hugging Face names in comments): attention_bias = qkv_bias and o_bias
     o_bias: bool = False  # o_proj bias
     attention_sinks: bool = False  # self_attn.sinks: a learned logit per head joining every softmax
@@ -75,7 +80,8 @@ class ModelConfig:
     expert_mlp: str = "swiglu"  # swiglu | clamped_swiglu (gate_up_proj and down_proj with biases, clamped SwiGLU)
     swiglu_alpha: float = 1.702  # swiglu_alpha: clamped_swiglu's sigmoid gain
     swiglu_limit: float = 7.0  # swiglu_limit: clamped_swiglu's gate clamp (above) and up clamp (both sides)
-    # Qwen3.5 / Qwen3-Next (qwen3_5; Hugging Face names in comments): gated full attention, Gated DeltaNet layers
+    # Qwen3.5 / Qwen3-Next (qwen3_5, qwen3_5_moe, qwen3_next; Hugging Face names in comments): gated full attention,
+    # Gated DeltaNet layers
     partial_rotary_factor: float = 1.0  # partial_rotary_factor: rope turns this share of each head's features
     attention_output_gate: bool = False  # q_proj's second half per head: attention output times sigmoid(gate)
     linear_key_heads: int = 0  # linear_num_key_heads: a linear_attention layer's query/key heads
@@ -159,9 +165,9 @@ def check_model(m: ModelConfig) -> None:
 
 
 # families whose blocks may be Gated DeltaNet (linear_attention) layers
-LINEAR_FAMILIES = ("qwen3_5",)
+LINEAR_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # families whose decoder has mixture-of-experts blocks (models/mixture.py); the others' blocks are all dense
-EXPERT_FAMILIES = ("deepseek", "qwen3_moe", "mixtral", "gpt_oss")
+EXPERT_FAMILIES = ("deepseek", "qwen3_moe", "mixtral", "gpt_oss", "qwen3_5_moe", "qwen3_next")
 # the rope scaling an unscaled model is stretched with, by family: a type its Hugging Face architecture reads
 # (the others: yarn, as Qwen and Mistral document for long context; Gemma 3 stretches its full layers linearly)
 STRETCH_SCALING = {"llama": "llama3", "deepseek": "yarn", "gemma3": "linear"}
@@ -288,6 +294,13 @@ def _check_experts(m: ModelConfig) -> None:
         f"model.first_dense_layers={m.first_dense_layers} must be in [0, model.num_layers={m.num_layers}]",
     )
     require(m.router_bias_rate >= 0, f"model.router_bias_rate={m.router_bias_rate} must be >= 0")
+    require(m.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0")
+    require(
+        m.router_score == "softmax" or m.router_aux_loss_coef == 0,
+        f"model.router_aux_loss_coef={m.router_aux_loss_coef} weighs the load-balancing loss of softmax routing; "
+        f"model.router_score={m.router_score!r} balances by its router bias: set model.router_aux_loss_coef=0",
+    )
+    require(m.shared_expert_mlp_dim >= 0, f"model.shared_expert_mlp_dim={m.shared_expert_mlp_dim} must be >= 0")
     require(
         m.router_score == "sigmoid" or m.router_bias_rate == 0,
         f"model.router_score={m.router_score!r} selects experts without the router bias; set "

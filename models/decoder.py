@@ -1,9 +1,9 @@
 """The decoder every family shares: embedding -> the family's blocks -> final norm -> output head.
 
 A family subclasses `Decoder`: its `__init__` calls `super().__init__(config, compute, rngs=rngs)` and builds its
-stacks of blocks; it defines `blocks(x, positions, segment_ids) -> (x, aux)` and, when its blocks report
-something to act on after an optimizer step (expert loads), `balance(aux)`; models/mixture.py does both for the
-families with expert blocks.
+stacks of blocks; it defines `blocks(x, positions, segment_ids) -> (x, aux)` and, when its blocks report something
+to train on (a load-balancing loss) or to act on after an optimizer step (expert loads), `aux_losses(aux)` and
+`balance(aux)`; models/mixture.py does these for the families with expert blocks.
 """
 
 from __future__ import annotations
@@ -81,6 +81,11 @@ class Decoder(nnx.Module):
         loss on `hidden` and `output_kernel`)."""
         states = self.hidden(tokens, positions, segment_ids).states
         return logits(states, self.output_kernel(), compute_dtype(self.compute))
+
+    def aux_losses(self, aux: dict) -> dict:
+        """name -> (coefficient, loss []) that training adds to the mean token loss, from the blocks' aux; none
+        here."""
+        return {}
 
     def balance(self, aux: dict) -> dict:
         """After an optimizer step: updates what the blocks' aux calls for; returns metrics (none here)."""

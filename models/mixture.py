@@ -2,8 +2,9 @@
 `num_moe_layers` in a mixture of experts (all dense when `num_experts` is 0), as two scanned stacks of the
 config's layer kinds (models/stack.py).
 
-Expert loads come back from `hidden` as aux; `balance` turns them into the aux-loss-free router-bias update and the
-load metrics after each optimizer step. A family (models/deepseek.py, models/mixtral.py) names its block class.
+Expert loads and router probabilities come back from `hidden` as aux: `aux_losses` turns them into the
+load-balancing loss of softmax routing (`router_aux_loss_coef`), `balance` into the aux-loss-free router-bias update
+and the load metrics after each optimizer step. A family (models/deepseek.py, models/mixtral.py) names its block class.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from layers.moe import load_imbalance, update_router_bias
+from layers.moe import load_balancing_loss, load_imbalance, update_router_bias
 from models.config import ComputeConfig, ModelConfig
 from models.decoder import Decoder
 from models.stack import make_layers, run_layers, stacked_blocks
@@ -40,16 +41,29 @@ class MixtureDecoder(Decoder):
         )
 
     def blocks(self, x, positions, segment_ids):
-        """-> (x, aux {"expert_counts": [moe layers, experts], "expert_dropped": [moe layers]} float32, empty
-        without MoE layers)."""
+        """-> (x, aux {"expert_counts": [moe layers, experts], "expert_dropped": [moe layers], "expert_probabilities":
+        [moe layers, experts]} float32, summed over the tokens; empty without MoE layers)."""
         aux = {}
         policy = self.compute.remat_policy
         if self.dense_layers is not None:
             x, _ = run_layers(self.dense_layers, x, positions, segment_ids, remat_policy=policy)
         if self.moe_layers is not None:
             x, stats = run_layers(self.moe_layers, x, positions, segment_ids, remat_policy=policy)
-            aux = {"expert_counts": stats["counts"], "expert_dropped": stats["dropped"]}
+            aux = {
+                "expert_counts": stats["counts"],
+                "expert_dropped": stats["dropped"],
+                "expert_probabilities": stats["probabilities"],
+            }
         return x, aux
+
+    def aux_losses(self, aux) -> dict:
+        """{"router_aux_loss": (router_aux_loss_coef, the load-balancing loss [])} when the coefficient is set and
+        there are MoE layers, else {}."""
+        if self.moe_layers is None or not self.config.router_aux_loss_coef:
+            return {}
+        counts = jax.lax.stop_gradient(aux["expert_counts"])
+        loss = load_balancing_loss(counts, aux["expert_probabilities"], self.config.experts_per_token)
+        return {"router_aux_loss": (self.config.router_aux_loss_coef, loss)}
 
     def balance(self, aux) -> dict:
         """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate

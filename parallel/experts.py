@@ -40,7 +40,8 @@ from parallel.plan import current_plan
 from parallel.tensor import residual_spec
 
 DISPATCHES = ("capacity", "ragged")
-Route = Callable[..., tuple[jax.Array, jax.Array]]  # (tokens [n, embed], *params) -> (weights [n, k], experts [n, k])
+# (tokens [n, embed], *params) -> (weights [n, k], experts [n, k], router probabilities [n, experts])
+Route = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 Ffn = Callable[..., jax.Array]  # (rows, *matrices, group_sizes=None) -> rows, see `routed_experts`
 
 
@@ -60,16 +61,22 @@ def receive_rows(tokens: int, k: int, factor: float) -> int:
     return max(1, math.ceil(factor * tokens * k))
 
 
-def routed_experts(
-    x: jax.Array, route: Route, route_params, ffn: Ffn, matrices, *, num_experts: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+class Routed(NamedTuple):
+    """What `routed_experts` returns; all but y summed over every token of every device, float32."""
+
+    y: jax.Array  # [batch, length, embed] in x's dtype and layout
+    counts: jax.Array  # routed assignments per expert [experts]
+    dropped: jax.Array  # assignments past the dispatch capacity []
+    probabilities: jax.Array  # the router's probabilities summed per expert [experts] (a load-balancing loss's)
+
+
+def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices, *, num_experts: int) -> Routed:
     """Routed experts of the tokens x [batch, length, embed] (residual stream layout).
 
-    route(tokens [n, embed], *route_params) -> (weights [n, k] float32, experts [n, k] int32) runs on each device's
-    tokens; ffn(rows [experts, rows, embed], *matrices) -> the same shape runs the experts batched, and
-    ffn(rows [rows, embed], *matrices, group_sizes=[experts]) grouped; matrices: [num_experts, ...] arrays.
-    -> (y [batch, length, embed] in x's dtype and layout, routed assignments per expert [experts] float32 and
-    dropped assignments float32, both summed over every device)."""
+    route(tokens [n, embed], *route_params) -> (weights [n, k] float32, experts [n, k] int32, probabilities [n,
+    experts] float32) runs on each device's tokens; ffn(rows [experts, rows, embed], *matrices) -> the same shape
+    runs the experts batched, and ffn(rows [rows, embed], *matrices, group_sizes=[experts]) grouped; matrices:
+    [num_experts, ...] arrays. Gradients flow to the probabilities' sums as to y."""
     mesh = jax.sharding.get_abstract_mesh()
     plan = current_plan()
     if plan.expert_dispatch not in DISPATCHES:
@@ -77,10 +84,12 @@ def routed_experts(
     layout = _token_layout(mesh, x.shape)
     if layout is None:  # one device, or a shape that does not split (e.g. a sampled prompt): placed by the partitioner
         tokens = x.reshape(-1, x.shape[-1])
-        y, counts, dropped = _chunked(
-            tokens, plan.expert_chunk, lambda t: _dropless(t, route(t, *route_params), ffn, matrices, num_experts)
+        y, *sums = _chunked(
+            tokens,
+            plan.expert_chunk,
+            _routed(route, route_params, lambda t, a: _dropless(t, a, ffn, matrices, num_experts)),
         )
-        return y.reshape(x.shape), counts.astype(jnp.float32), dropped.astype(jnp.float32)
+        return Routed(y.reshape(x.shape), *(s.astype(jnp.float32) for s in sums))
     spec, token_axes, replicated = layout
     shares = math.prod(mesh.shape[a] for a in replicated)
     axes = expert_axes(mesh, num_experts)
@@ -93,21 +102,20 @@ def routed_experts(
             x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(replicated) * share, share, axis=1)
         tokens = x.reshape(-1, x.shape[-1])
 
-        def one_chunk(t):
-            assignment = route(t, *route_params)
+        def dispatched(t, assignment):
             if not axes:
                 return _dropless(t, assignment, ffn, matrices, num_experts)
             return dispatch(t, assignment, ffn, matrices, num_experts, plan.expert_capacity, axes)
 
-        y, counts, dropped = _chunked(tokens, plan.expert_chunk, one_chunk)
-        counts, dropped = jax.lax.psum((counts, dropped), token_axes + replicated)
-        return y.reshape(x.shape), counts.astype(jnp.float32), dropped.astype(jnp.float32)
+        y, *sums = _chunked(tokens, plan.expert_chunk, _routed(route, route_params, dispatched))
+        sums = jax.lax.psum(tuple(s.astype(jnp.float32) for s in sums), token_axes + replicated)
+        return Routed(y.reshape(x.shape), *sums)
 
     specs = (spec, PartitionSpec(), PartitionSpec(axes or None))
-    y, counts, dropped = jax.shard_map(
-        local, mesh=mesh, in_specs=specs, check_vma=True, out_specs=(out_spec, PartitionSpec(), PartitionSpec())
+    routed = jax.shard_map(
+        local, mesh=mesh, in_specs=specs, check_vma=True, out_specs=Routed(out_spec, *(PartitionSpec(),) * 3)
     )(x, tuple(route_params), tuple(matrices))
-    return jax.lax.with_sharding_constraint(y, spec), counts, dropped
+    return routed._replace(y=jax.lax.with_sharding_constraint(routed.y, spec))
 
 
 def _token_layout(mesh, shape):
@@ -129,9 +137,21 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def _routed(route: Route, route_params, dispatch):
+    """tokens [m, embed] -> (y [m, embed], counts [experts], dropped [], probabilities summed per expert [experts]):
+    routed by route(tokens, *route_params), the assignments sent by dispatch(tokens, (weights, experts)) -> (y,
+    counts, dropped)."""
+
+    def run(tokens):
+        weights, experts, probabilities = route(tokens, *route_params)
+        return (*dispatch(tokens, (weights, experts)), probabilities.sum(0))
+
+    return run
+
+
 def _chunked(tokens, chunk: int, run):
-    """run(tokens [m, embed]) -> (y [m, embed], counts [experts], dropped []) over chunks of at most `chunk` tokens
-    (0 = all at once): a scan whose steps are rematerialised in the backward pass; counts and drops are summed."""
+    """run(tokens [m, embed]) -> (y [m, embed], sums...) over chunks of at most `chunk` tokens (0 = all at once): a
+    scan whose steps are rematerialised in the backward pass; the sums (counts, drops, ...) are summed."""
     n = tokens.shape[0]
     pieces = next(p for p in range(-(-n // chunk) if chunk else 1, n + 1) if n % p == 0)
     if pieces == 1:
@@ -140,8 +160,8 @@ def _chunked(tokens, chunk: int, run):
     def step(_, piece):
         return None, run(piece)
 
-    _, (y, counts, dropped) = jax.lax.scan(jax.checkpoint(step), None, tokens.reshape(pieces, n // pieces, -1))
-    return y.reshape(tokens.shape), counts.sum(0), dropped.sum(0)
+    _, (y, *sums) = jax.lax.scan(jax.checkpoint(step), None, tokens.reshape(pieces, n // pieces, -1))
+    return y.reshape(tokens.shape), *(s.sum(0) for s in sums)
 
 
 def _combine(rows: jax.Array, index: jax.Array, weights: jax.Array, dtype) -> jax.Array:

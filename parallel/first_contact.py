@@ -143,9 +143,10 @@ def _ffn(rows, w, group_sizes=None):
 
 
 def _route(tokens, router, k: int):
-    """Top-k of softmax scores: (weights [n, k] float32, experts [n, k] int32)."""
-    weights, experts = jax.lax.top_k(jax.nn.softmax(tokens.astype(jnp.float32) @ router), k)
-    return weights, experts.astype(jnp.int32)
+    """Top-k of softmax scores: (weights [n, k] float32, experts [n, k] int32, probabilities [n, experts])."""
+    probabilities = jax.nn.softmax(tokens.astype(jnp.float32) @ router)
+    weights, experts = jax.lax.top_k(probabilities, k)
+    return weights, experts.astype(jnp.int32), probabilities
 
 
 def dispatch_error(plan: Plan, mesh, num_experts: int, k: int, dtype) -> str | None:
@@ -166,7 +167,7 @@ def dispatch_error(plan: Plan, mesh, num_experts: int, k: int, dtype) -> str | N
         """{y, dx, dw} float32 of `dispatch` (installed while tracing)."""
 
         def loss(x, w):
-            y, _, _ = routed_experts(x, lambda t, r: _route(t, r, k), (router,), _ffn, (w,), num_experts=num_experts)
+            y = routed_experts(x, lambda t, r: _route(t, r, k), (router,), _ffn, (w,), num_experts=num_experts).y
             y = y.astype(jnp.float32)
             return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
 

@@ -14,8 +14,15 @@ from train.config.imported import MODEL_YAML
 from train.errors import CheckpointError
 
 # what a fine-tune may change: the context it covers (rope scaling, positions), the parameters' dtype, and how
-# training updates the router's bias
-FREE = ("rope_scaling", "context_length", "max_position_embeddings", "param_dtype", "router_bias_rate")
+# training updates the router's bias and weighs its load-balancing loss
+FREE = (
+    "rope_scaling",
+    "context_length",
+    "max_position_embeddings",
+    "param_dtype",
+    "router_bias_rate",
+    "router_aux_loss_coef",
+)
 
 
 def saved_model(directory: pathlib.Path) -> ModelConfig | None:

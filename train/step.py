@@ -39,7 +39,9 @@ def loss_sums(model, batch, chunk_size: int, weights=None):
 
 
 def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
-    """Gradients of the token-mean loss over `accum_steps` micro-batches, scanned one after another."""
+    """Gradients of the token-mean loss plus the model's aux losses (each times its coefficient) over `accum_steps`
+    micro-batches, scanned one after another -> (grads, mean token loss, loss tokens, aux summed over micro-batches,
+    {aux loss name: its token-weighted mean over micro-batches})."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # row i goes to micro-batch i % accum_steps, so every micro-batch stays spread over the batch shards
     micro = jax.tree.map(
@@ -47,22 +49,30 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     )
 
     def loss_of(p, micro_batch):
-        loss, n, aux = loss_sums(nnx.merge(graphdef, p, rest), micro_batch, chunk_size)
-        return loss, (n, aux)
+        """(the token loss sum plus n x each aux loss times its coefficient, (token loss sum, n, aux, {name: aux
+        loss x n})): the gradient over all tokens divided by their number is the mean loss's plus the aux losses'
+        token-weighted mean."""
+        model = nnx.merge(graphdef, p, rest)
+        loss, n, aux = loss_sums(model, micro_batch, chunk_size)
+        losses = model.aux_losses(aux)
+        weighted = {name: value * jax.lax.stop_gradient(n) for name, (_, value) in losses.items()}
+        objective = loss + sum(coefficient * weighted[name] for name, (coefficient, _) in losses.items())
+        return objective, (loss, n, aux, weighted)
 
     def micro_step(carry, micro_batch):
         grads_sum, loss_sum, count = carry
-        (loss, (n, aux)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, micro_batch)
-        return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, count + n), aux
+        (_, (loss, n, aux, weighted)), grads = jax.value_and_grad(loss_of, has_aux=True)(params, micro_batch)
+        return (jax.tree.map(jnp.add, grads_sum, grads), loss_sum + loss, count + n), (aux, weighted)
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    (grads, loss_sum, count), aux = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), micro)
+    (grads, loss_sum, count), (aux, weighted) = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), micro)
     denominator = jnp.maximum(count, 1.0)
     return (
         jax.tree.map(lambda g: (g / denominator).astype(g.dtype), grads),
         loss_sum / denominator,
         count,
         jax.tree.map(lambda a: a.sum(0), aux),
+        {name: value.sum(0) / denominator for name, value in weighted.items()},
     )
 
 
@@ -74,9 +84,9 @@ def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, pla
     def step(state, batch):
         with use_plan(plan):  # inside: jit traces on the first call
             model, optimizer = nnx.merge(graphdef, state)
-            grads, loss, count, aux = accumulated_grads(model, batch, chunk_size, accum_steps)
+            grads, loss, count, aux, aux_losses = accumulated_grads(model, batch, chunk_size, accum_steps)
             optimizer.update(model, grads)
-            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count}
+            metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count, **aux_losses}
             metrics |= model.balance(aux)  # e.g. aux-loss-free expert balancing, outside the gradient
             return nnx.split((model, optimizer))[1], metrics
 

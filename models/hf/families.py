@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.hf import deepseek, gemma3, gemma3_vision, gpt_oss, llama, mistral, qwen, qwen3_5
+from models.hf import deepseek, gemma3, gemma3_vision, gpt_oss, llama, mistral, qwen, qwen3_5, qwen3_5_moe, qwen3_next
 from models.hf.spec import Family
 
 FAMILIES: tuple[Family, ...] = (
@@ -20,6 +20,9 @@ FAMILIES: tuple[Family, ...] = (
     gpt_oss.FAMILY,
     qwen3_5.FAMILY,
     qwen3_5.VL_FAMILY,
+    qwen3_5_moe.FAMILY,
+    qwen3_5_moe.VL_FAMILY,
+    qwen3_next.FAMILY,
 )
 
 

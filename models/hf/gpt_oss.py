@@ -7,8 +7,8 @@ renormalised over the top k, the same). The experts' gate_up_proj [experts, hidd
 interleaved), down_proj [experts, intermediate, hidden] and their biases are our parameters as they are; they run
 the clamped SwiGLU (swiglu_alpha, swiglu_limit). YaRN rope with truncate false. OpenAI's checkpoints store the
 experts in MXFP4 (quantization_config quant_method mxfp4: `*_blocks` and `*_scales`), read dequantized
-(models/hf/stored.py); export writes them unquantized. router_aux_loss_coef (transformers' training loss) is not
-applied.
+(models/hf/stored.py); export writes them unquantized. Training adds the load-balancing loss of weight
+router_aux_loss_coef.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ DEFAULTS = {
     "swiglu_alpha": 1.702,
     "swiglu_limit": 7.0,
     "attention_bias": True,
+    "router_aux_loss_coef": 0.001,
 }
 DEFAULT_ROPE = {
     "rope_type": "yarn",
@@ -101,6 +102,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         swiglu_alpha=float(hf["swiglu_alpha"]),
         swiglu_limit=float(hf["swiglu_limit"]),
         router_bias_rate=0.0,
+        router_aux_loss_coef=float(hf["router_aux_loss_coef"]),
         **window_from_hf(hf, windowed),
     )
 
@@ -117,6 +119,7 @@ def config_to_hf(config: ModelConfig) -> dict:
         "num_experts_per_tok": config.experts_per_token,
         "swiglu_alpha": config.swiglu_alpha,
         "swiglu_limit": config.swiglu_limit,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
         "sliding_window": config.sliding_window or None,
         "layer_types": list(config.layer_kinds),
     }

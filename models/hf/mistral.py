@@ -2,8 +2,9 @@
 models/hf/gqa.py's layout; `sliding_window` (None: full attention) windows every layer (models/hf/window.py).
 
 Mixtral's every layer is a mixture of `num_local_experts` experts of size intermediate_size (Hugging Face w1 / w3 /
-w2 = our gate / up / down), routed by a softmax top-k with the chosen weights renormalised. router_jitter_noise and
-router_aux_loss_coef (transformers' training settings) are not applied.
+w2 = our gate / up / down), routed by a softmax top-k with the chosen weights renormalised, trained with the
+load-balancing loss of weight router_aux_loss_coef. router_jitter_noise (a transformers training setting) is not
+applied.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MIXTRAL_DEFAULTS = {
     "sliding_window": None,
     "num_local_experts": 8,
     "num_experts_per_tok": 2,
+    "router_aux_loss_coef": 0.001,
 }
 # ModelConfig fields each architecture holds only with these values
 FIELDS = {"qkv_bias": False, "qk_norm": False}
@@ -57,6 +59,7 @@ def mixtral_config_from_hf(hf: dict) -> ModelConfig:
         moe_mlp_dim=hf["intermediate_size"],
         router_score="softmax",
         router_bias_rate=0.0,
+        router_aux_loss_coef=float(hf["router_aux_loss_coef"]),
         **window_from_hf(hf, list(range(hf["num_hidden_layers"]))),
     )
 
@@ -80,6 +83,7 @@ def mixtral_config_to_hf(config: ModelConfig) -> dict:
         "intermediate_size": config.moe_mlp_dim,
         "num_local_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
     }
 
 

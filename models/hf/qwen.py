@@ -5,7 +5,7 @@ Qwen2 has q/k/v biases (qkv_bias), Qwen3 and Qwen3-MoE per-head q/k norms (qk_no
 with a softmax top-k over `num_experts` experts (weights renormalised if norm_topk_prob), without a shared expert;
 layer i is dense when it is in mlp_only_layers or i + 1 is no multiple of decoder_sparse_step, which our model holds
 when the dense layers come first (first_dense_layers); other layouts are refused. Sliding windows (use_sliding_window)
-as models/hf/window.py reads them. router_aux_loss_coef (transformers' training loss) is not applied.
+as models/hf/window.py reads them. Qwen3-MoE trains with the load-balancing loss of weight router_aux_loss_coef.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ QWEN3_MOE_DEFAULTS = {
     "norm_topk_prob": False,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
 }
 # ModelConfig fields each architecture holds only with these values
 QWEN2_FIELDS = {"qkv_bias": True, "qk_norm": False}
@@ -56,15 +57,15 @@ def qwen3_config_from_hf(hf: dict) -> ModelConfig:
     return gqa.config_from_hf(hf, "qwen3", QWEN3, QWEN3_REQUIRED, ROPE_TYPES, **QWEN3_FIELDS, **window)
 
 
-def first_dense_layers(hf: dict) -> int:
-    """How many layers of a Qwen3-MoE config.json are dense, when they come first; ValueError naming
-    mlp_only_layers or decoder_sparse_step when dense layers come after an MoE layer."""
+def first_dense_layers(hf: dict, architecture: str = QWEN3_MOE) -> int:
+    """How many layers of a Qwen3-MoE (or Qwen3-Next: `architecture`) config.json are dense, when they come first;
+    ValueError naming mlp_only_layers or decoder_sparse_step when dense layers come after an MoE layer."""
     step, only = hf["decoder_sparse_step"], set(hf["mlp_only_layers"])
     dense = [i for i in range(hf["num_hidden_layers"]) if i in only or not hf["num_experts"] or (i + 1) % max(step, 1)]
     if dense != list(range(len(dense))):
         key = "mlp_only_layers" if step == 1 else "decoder_sparse_step"
         raise ValueError(
-            f"{QWEN3_MOE}: config.json has {key}={hf[key]!r}, which makes layers {dense} dense; only dense layers "
+            f"{architecture}: config.json has {key}={hf[key]!r}, which makes layers {dense} dense; only dense layers "
             f"before all MoE layers are supported (mlp_only_layers=[0, ..., k - 1], decoder_sparse_step=1)"
         )
     return len(dense)
@@ -91,6 +92,7 @@ def qwen3_moe_config_from_hf(hf: dict) -> ModelConfig:
         norm_topk_prob=bool(hf["norm_topk_prob"]),
         router_score="softmax",
         router_bias_rate=0.0,
+        router_aux_loss_coef=float(hf["router_aux_loss_coef"]),
         **window_from_hf(hf, windowed),
     )
 
@@ -127,6 +129,7 @@ def qwen3_moe_config_to_hf(config: ModelConfig) -> dict:
         "norm_topk_prob": config.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(config.num_dense_layers)),
+        "router_aux_loss_coef": config.router_aux_loss_coef,
     }
 
 

@@ -75,33 +75,39 @@ def layer_types(hf: dict) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(hf["num_hidden_layers"]))
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """config.json of a Qwen3_5ForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
-    hf = {**DEFAULTS, **hf}
+def text_config_from_hf(hf: dict, family: str, architecture: str, **fields) -> ModelConfig:
+    """config.json of a Qwen3.5-like text model, its left-out keys filled -> ModelConfig of `family` with its
+    attention, rope, layer kinds and linear layers; `fields` are the rest (the feed-forward's)."""
     params = dict(hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", DEFAULT_THETA)})
     partial = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", PARTIAL_ROTARY))
     for key in ("mrope_section", "mrope_interleaved"):  # the multimodal rope's; one plain rope for text
         params.pop(key, None)
     return gqa.config_from_hf(
         hf,
-        "qwen3_5",
-        ARCHITECTURE,
+        family,
+        architecture,
         REQUIRED,
         None,
         **FIELDS,
-        **rope_from_hf({"rope_parameters": params}, ARCHITECTURE, ROPE_TYPES),
+        **rope_from_hf({"rope_parameters": params}, architecture, ROPE_TYPES),
         partial_rotary_factor=float(partial),
         layer_types=layer_types(hf),
         max_position_embeddings=hf["max_position_embeddings"],
         **{ours: int(hf[key]) for ours, key in LINEAR_KEYS.items()},
+        **fields,
     )
 
 
-def config_to_hf(config: ModelConfig) -> dict:
-    """ModelConfig of the qwen3_5 family -> config.json of a Qwen3_5ForCausalLM (layer_types and rope_parameters
-    written out)."""
-    check_fields(config, FIELDS, ARCHITECTURE)
-    hf = gqa.config_to_hf(config, ARCHITECTURE, "qwen3_5_text", ROPE_TYPES)
+def config_from_hf(hf: dict) -> ModelConfig:
+    """config.json of a Qwen3_5ForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
+    return text_config_from_hf({**DEFAULTS, **hf}, "qwen3_5", ARCHITECTURE)
+
+
+def text_config_to_hf(config: ModelConfig, architecture: str, model_type: str) -> dict:
+    """ModelConfig of a Qwen3.5-like family -> config.json of `architecture` (layer_types and rope_parameters
+    written out; the feed-forward's keys are the caller's)."""
+    check_fields(config, FIELDS, architecture)
+    hf = gqa.config_to_hf(config, architecture, model_type, ROPE_TYPES)
     del hf["rope_scaling"]  # None: the default rope
     rope = {
         "rope_type": "default",
@@ -115,6 +121,11 @@ def config_to_hf(config: ModelConfig) -> dict:
         "layer_types": list(config.layer_kinds),
         **{key: getattr(config, ours) for ours, key in LINEAR_KEYS.items()},
     }
+
+
+def config_to_hf(config: ModelConfig) -> dict:
+    """ModelConfig of the qwen3_5 family -> config.json of a Qwen3_5ForCausalLM."""
+    return text_config_to_hf(config, ARCHITECTURE, "qwen3_5_text")
 
 
 def _kind(config: ModelConfig, block: Placement) -> str:
@@ -212,15 +223,17 @@ def linear_attention(block: Placement) -> list[Tensor]:
     ]
 
 
-def layer(config: ModelConfig, block: Placement) -> list[Tensor]:
-    """The norms, token mixer and MLP of the layers in our stacked `block`."""
+def mixer(config: ModelConfig, block: Placement) -> list[Tensor]:
+    """The norms and token mixer of the layers in our stacked `block`: Gated DeltaNet or the gated attention."""
     mixer = linear_attention(block) if _kind(config, block) == LINEAR else full_attention(config, block)
-    return [*gqa.norms(block, NORMS), *mixer, *gqa.mlp(block)]
+    return [*gqa.norms(block, NORMS), *mixer]
 
 
 def tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a Qwen3_5ForCausalLM checkpoint; lm_head.weight only when embeddings are untied."""
-    return gqa.checkpoint(config, [tensor for block in placements(config, "layers") for tensor in layer(config, block)])
+    return gqa.checkpoint(
+        config, [tensor for block in placements(config, "layers") for tensor in mixer(config, block) + gqa.mlp(block)]
+    )
 
 
 MTP = Nesting(skipped=("mtp.",), reason="the multi-token-prediction layers, which the qwen3_5 model does not use")
@@ -234,13 +247,18 @@ VL_NESTING = Nesting(
 )
 
 
-def vl_config_from_hf(hf: dict) -> ModelConfig:
-    """config.json of a Qwen3_5ForConditionalGeneration -> the ModelConfig of its text model (text_config; the
-    top-level tie_word_embeddings, which the model reads, over the text config's)."""
+def text_config(hf: dict) -> dict:
+    """config.json of a Qwen3.5 ConditionalGeneration -> its text model's (text_config; the top-level
+    tie_word_embeddings, which the model reads, over the text config's)."""
     text = dict(hf.get("text_config") or {})
     if "tie_word_embeddings" in hf:
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    return config_from_hf(text)
+    return text
+
+
+def vl_config_from_hf(hf: dict) -> ModelConfig:
+    """config.json of a Qwen3_5ForConditionalGeneration -> the ModelConfig of its text model."""
+    return config_from_hf(text_config(hf))
 
 
 VL_FAMILY = Family(

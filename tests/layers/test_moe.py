@@ -1,5 +1,5 @@
 """MoE against a dense NumPy reference (sigmoid and softmax router scores), routing rules, load balancing helpers,
-gradients, transformers' DeepSeek-V3 and V2 MoE."""
+gradients, transformers' DeepSeek-V3 and V2 MoE, Qwen3.5-MoE's gated shared expert and the load-balancing loss."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from layers.mlp import SwiGLU
-from layers.moe import MoE, RouterBias, expert_swiglu, load_imbalance, update_router_bias
+from layers.moe import MoE, RouterBias, expert_swiglu, load_balancing_loss, load_imbalance, update_router_bias
 from parallel import routed_experts
 
 EMBED, MLP, EXPERTS = 16, 8, 8
@@ -197,7 +197,14 @@ def test_dropless_experts_equal_per_expert_loop():
     weights = jax.random.uniform(jax.random.key(4), (12, 3))
     kernels = (moe.experts_gate[...], moe.experts_up[...], moe.experts_down[...])
     y, counts, dropped = jax.jit(
-        lambda t: routed_experts(t[None], lambda _: (weights, experts), (), expert_swiglu, kernels, num_experts=EXPERTS)
+        lambda t: routed_experts(
+            t[None],
+            lambda _: (weights, experts, jnp.zeros((12, EXPERTS))),
+            (),
+            expert_swiglu,
+            kernels,
+            num_experts=EXPERTS,
+        )[:3]
     )(tokens)
     y = y[0]
     expected = jnp.zeros_like(tokens)
@@ -310,3 +317,57 @@ def test_equals_transformers(version):
         expected = hf(torch.from_numpy(x)).numpy()
     y, _ = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gated_shared_expert_equals_qwen3_5_moe():
+    """Softmax top-k renormalised, one shared expert of its own width behind sigmoid(x @ shared_expert_gate)."""
+    torch = pytest.importorskip("torch")
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    config = modeling.Qwen3_5MoeTextConfig(
+        hidden_size=EMBED,
+        num_experts=EXPERTS,
+        num_experts_per_tok=3,
+        moe_intermediate_size=MLP,
+        shared_expert_intermediate_size=12,
+    )
+    hf = modeling.Qwen3_5MoeSparseMoeBlock(config)
+    moe = make(k=3, router_score="softmax", shared_mlp_dim=12, shared_gate=True)
+
+    def t(v):
+        return torch.from_numpy(np.array(v[...]).T.copy())
+
+    with torch.no_grad():
+        hf.gate.weight.copy_(t(moe.router))
+        gate_up = np.concatenate([np.array(moe.experts_gate[...]), np.array(moe.experts_up[...])], -1)
+        hf.experts.gate_up_proj.copy_(torch.from_numpy(gate_up).transpose(1, 2))
+        hf.experts.down_proj.copy_(torch.from_numpy(np.array(moe.experts_down[...])).transpose(1, 2))
+        for name in ("gate", "up", "down"):
+            getattr(hf.shared_expert, f"{name}_proj").weight.copy_(t(getattr(moe.shared, name)))
+        hf.shared_expert_gate.weight.copy_(t(moe.shared_gate))
+        x = np.array(jax.random.normal(jax.random.key(6), (2, 16, EMBED)))
+        expected = hf(torch.from_numpy(x)).numpy()
+    y, _ = nnx.jit(lambda m, x: m(x))(moe, jnp.asarray(x))
+    np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_load_balancing_loss_equals_transformers():
+    """Three layers' router logits: the value and its gradient in the logits as transformers' loss (pooled over
+    layers; the counts carry no gradient)."""
+    torch = pytest.importorskip("torch")
+    modeling = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    k = 3
+    logits = np.array(jax.random.normal(jax.random.key(4), (3, 20, EXPERTS)), np.float64)
+
+    def ours(logits):
+        probabilities = jax.nn.softmax(logits, -1)
+        picked = jax.nn.one_hot(jax.lax.top_k(probabilities, k)[1], EXPERTS).sum((1, 2))
+        return load_balancing_loss(jax.lax.stop_gradient(picked), probabilities.sum(1), k)
+
+    value, grad = jax.value_and_grad(ours)(jnp.asarray(logits, jnp.float32))
+    torch_logits = torch.tensor(logits, requires_grad=True)
+    expected = modeling.load_balancing_loss_func(tuple(torch_logits), EXPERTS, k)
+    expected.backward()
+    np.testing.assert_allclose(float(value), float(expected.detach()), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), torch_logits.grad.numpy(), rtol=1e-4, atol=1e-7)
+    balanced = jnp.full((1, EXPERTS), 6.0), jnp.full((1, EXPERTS), 16 / EXPERTS)  # 16 tokens, k = 3
+    np.testing.assert_allclose(float(load_balancing_loss(*balanced, 3)), 3.0, rtol=1e-6)

@@ -79,6 +79,7 @@ GPT_OSS_20B = {
         "truncate": False,
     },
     "rope_theta": 150000,
+    "router_aux_loss_coef": 0.9,
     "sliding_window": 128,
     "swiglu_limit": 7.0,
     "tie_word_embeddings": False,

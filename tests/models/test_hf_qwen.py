@@ -137,6 +137,7 @@ QWEN3_30B_A3B = {
     "num_experts": 128,
     "num_experts_per_tok": 8,
     "num_hidden_layers": 48,
+    "router_aux_loss_coef": 0.001,
     "num_key_value_heads": 4,
 }
 

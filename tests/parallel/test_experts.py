@@ -1,7 +1,7 @@
 """Expert parallelism (parallel/experts.py): an MoE block on 8 devices equals the one-device MoE in outputs, expert
-counts and gradients (both router kinds and GPT-OSS's biased experts, capacity and ragged dispatch, chunked); drops
-equal a NumPy reference; the ragged dispatch's offsets and sizes move the right rows under ragged all-to-all's
-documented semantics."""
+counts, summed router probabilities and gradients (both router kinds and GPT-OSS's biased experts, capacity and
+ragged dispatch, chunked); drops equal a NumPy reference; the ragged dispatch's offsets and sizes move the right rows
+under ragged all-to-all's documented semantics."""
 
 import dataclasses
 
@@ -27,8 +27,9 @@ DROPLESS_PLAN = Plan(expert_capacity=DROPLESS)
 
 
 def make_moe(score: str) -> MoE:
-    """score sigmoid or softmax; clamped: GPT-OSS's experts (softmax routing with a logit bias, clamped SwiGLU experts
-    with biases), every bias random, so that a bias sent to the wrong expert shows."""
+    """score sigmoid or softmax (with a gated shared expert); clamped: GPT-OSS's experts (softmax routing with a
+    logit bias, clamped SwiGLU experts with biases), every bias random, so that a bias sent to the wrong expert
+    shows."""
     sigmoid, clamped = score == "sigmoid", score == "clamped"
     moe = MoE(
         EMBED,
@@ -44,6 +45,7 @@ def make_moe(score: str) -> MoE:
         router_logit_bias=clamped,
         expert_mlp="clamped_swiglu" if clamped else "swiglu",
         swiglu_limit=1.0,
+        shared_gate=score == "softmax",
         rngs=nnx.Rngs(0),
     )
     if sigmoid:
@@ -66,14 +68,15 @@ def run(
     plan: Plan = Plan(expert_capacity=DROPLESS),
     x_spec: PartitionSpec | None = None,
 ):
-    """(y, counts, dropped, d loss / d x, d loss / d params) of the MoE on `mesh_config` (None: one device), x
-    placed as the residual stream (or by `x_spec`)."""
+    """(y, counts, dropped, d loss / d x, d loss / d params, router probabilities summed per expert) of the MoE on
+    `mesh_config` (None: one device), x placed as the residual stream (or by `x_spec`); the loss reads y and the
+    probabilities."""
     graphdef, state = nnx.split(moe)
     cotangent = jax.random.normal(jax.random.key(7), x.shape)
 
     def forward(state, x):
         y, stats = nnx.merge(graphdef, state)(x)
-        return jnp.sum(y * cotangent), (y, stats)
+        return jnp.sum(y * cotangent) + jnp.sum(stats["probabilities"] * jnp.arange(EXPERTS)), (y, stats)
 
     step = jax.grad(forward, argnums=(0, 1), has_aux=True)
     with use_plan(plan):
@@ -91,7 +94,8 @@ def run(
         jax.tree_util.keystr(path): np.asarray(g)
         for path, g in jax.tree_util.tree_leaves_with_path(nnx.state(grad_state, nnx.Param))
     }
-    return np.asarray(y), np.asarray(stats["counts"]), float(stats["dropped"]), np.asarray(grad_x), grads
+    stats = {key: np.asarray(value) for key, value in stats.items()}
+    return np.asarray(y), stats["counts"], float(stats["dropped"]), np.asarray(grad_x), grads, stats["probabilities"]
 
 
 def assert_close(actual, expected, what: str = "", tolerance=1e-5):
@@ -140,10 +144,11 @@ CAPACITY_CASES = (
 @pytest.mark.parametrize("name, score", CAPACITY_CASES)
 def test_capacity_dispatch_equals_one_device(one_device, name, score):
     mesh_config, plan = MESHES[name]
-    y, counts, dropped, grad_x, grads = run(make_moe(score), tokens(), mesh_config, plan)
-    ref_y, ref_counts, _, ref_grad_x, ref_grads = one_device(score)
+    y, counts, dropped, grad_x, grads, probabilities = run(make_moe(score), tokens(), mesh_config, plan)
+    ref_y, ref_counts, _, ref_grad_x, ref_grads, ref_probabilities = one_device(score)
     assert_close(y, ref_y, "output")
     np.testing.assert_array_equal(counts, ref_counts)
+    assert_close(probabilities, ref_probabilities, "router probabilities")
     assert dropped == 0
     assert_close(grad_x, ref_grad_x, "input gradient")
     assert grads.keys() == ref_grads.keys()
@@ -195,7 +200,7 @@ def test_capacity_drops_equal_numpy_reference():
     moe = make_moe("sigmoid")
     moe.shared = None
     x = tokens()
-    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, context=8), Plan(expert_capacity=0.5))
+    y, counts, dropped, *_ = run(moe, x, MeshConfig(fsdp=1, context=8), Plan(expert_capacity=0.5))
     expected, expected_dropped = numpy_capacity_reference(moe, np.asarray(x, np.float64), 8, 0.5)
     assert expected_dropped > 0 and dropped == expected_dropped
     assert counts.sum() == BATCH * LENGTH * K
@@ -238,10 +243,11 @@ def test_ragged_dispatch_equals_one_device(monkeypatch, one_device, name, score)
     mesh_config, plan = MESHES[name]
     plan = dataclasses.replace(plan, expert_dispatch="ragged")
     # factor = devices: a receive buffer of every device's assignments; EXPERTS / K >= 4 expert-parallel devices
-    y, counts, dropped, grad_x, grads = run(make_moe(score), tokens(), mesh_config, plan)
-    ref_y, ref_counts, _, ref_grad_x, ref_grads = one_device(score)
+    y, counts, dropped, grad_x, grads, probabilities = run(make_moe(score), tokens(), mesh_config, plan)
+    ref_y, ref_counts, _, ref_grad_x, ref_grads, ref_probabilities = one_device(score)
     assert_close(y, ref_y, "output")
     np.testing.assert_array_equal(counts, ref_counts)
+    assert_close(probabilities, ref_probabilities, "router probabilities")
     assert dropped == 0
     assert_close(grad_x, ref_grad_x, "input gradient")
     for key, ref in ref_grads.items():
@@ -323,8 +329,8 @@ def test_a_shape_that_does_not_split_runs_dropless_on_every_token():
     moe = make_moe("sigmoid")
     x = tokens()[:3, :7]
     small = Plan(expert_capacity=0.1)  # a capacity this small would drop
-    y, counts, dropped, _, _ = run(moe, x, MeshConfig(fsdp=1, expert=2, context=4), small, x_spec=PartitionSpec())
-    ref_y, ref_counts, _, _, _ = run(moe, x)
+    y, counts, dropped, *_ = run(moe, x, MeshConfig(fsdp=1, expert=2, context=4), small, x_spec=PartitionSpec())
+    ref_y, ref_counts, *_ = run(moe, x)
     assert_close(y, ref_y, "output")
     np.testing.assert_array_equal(counts, ref_counts)
     assert dropped == 0
