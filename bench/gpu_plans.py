@@ -2,7 +2,7 @@
 compiler assigns per device (no GPU needed: parallel/targets.py, the `gpu` extra), against the blockwise kernel's
 GPU plan and the CPU plan of the same step, in one run. A kernel that does not compile gets a row saying why.
 
-    PYTHONPATH=. python bench/gpu_plans.py                       # the three 128K recipes, about 10 min on 2 cores
+    PYTHONPATH=. python bench/gpu_plans.py                       # the RECIPES below, about 15 min on 2 cores
     PYTHONPATH=. python bench/gpu_plans.py --quick               # the 8B recipe only
     PYTHONPATH=. python bench/gpu_plans.py --recipes finetune-128k-deepseek-v3:128 --overrides mesh.fsdp=1
 """
@@ -20,7 +20,12 @@ from parallel import targets
 from train.environment import default_environment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-RECIPES = ("finetune-128k-llama3.1-8b:8", "finetune-128k-deepseek-v2-lite:8", "finetune-128k-deepseek-v3:256")
+RECIPES = (
+    "finetune-128k-llama3.1-8b:8",
+    "finetune-128k-deepseek-v2-lite:8",
+    "finetune-128k-deepseek-v3:256",
+    "finetune-128k-qwen3.5-35b-a3b:16",
+)
 KERNELS = ("blockwise", "pallas", "cudnn")
 GIB = 2**30
 # one plan per process: a CPU plan starts JAX with its own device count

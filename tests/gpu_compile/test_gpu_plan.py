@@ -127,7 +127,12 @@ def test_bad_target_requests_are_named_before_compiling(monkeypatch, capsys):
 @pytest.mark.parametrize("kernel", ["blockwise", "pallas", "cudnn"])
 @pytest.mark.parametrize(
     "recipe, devices",
-    [("finetune-128k-llama3.1-8b", 8), ("finetune-128k-deepseek-v2-lite", 8), ("finetune-128k-deepseek-v3", 256)],
+    [
+        ("finetune-128k-llama3.1-8b", 8),
+        ("finetune-128k-deepseek-v2-lite", 8),
+        ("finetune-128k-deepseek-v3", 256),
+        ("finetune-128k-qwen3.5-35b-a3b", 16),
+    ],
 )
 def test_128k_recipe_fits_h100(recipe, devices, kernel):
     config = REPO / "configs" / f"{recipe}.yaml"

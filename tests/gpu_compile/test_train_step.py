@@ -1,12 +1,12 @@
-"""The train step compiles for 8 H100s through XLA's GPU compiler, with no GPU (parallel/targets.py), for every
-context strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny: packed rows, scattered tensor
-parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m train CONFIG --plan
---target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the compiled program.
-deepseek-tiny's latent attention and experts take blockwise and Pallas under the ring and cuDNN under USP; the tiny
-Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under the ring; their
-other cases are slow (the GPU compiler takes 20-90 s each). The floor stack compiles
-the tiny Llama under none, ring and usp (every kernel, every collective pattern); the newest stack, which GPU machines
-run, all of the above.
+"""The train step compiles for 8 H100s through XLA's GPU compiler, with no GPU (parallel/targets.py), for every context
+strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny (also as Qwen3.5-MoE): packed rows,
+scattered tensor parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m
+train CONFIG --plan --target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the
+compiled program. deepseek-tiny's latent attention and experts take blockwise and Pallas under the ring and cuDNN
+under USP; the tiny Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under
+the ring; their other cases, and every Qwen3.5-MoE case, are slow (the GPU compiler takes 20-90 s each). The floor
+stack compiles the tiny Llama under none, ring and usp (every kernel, every collective pattern); the newest stack,
+which GPU machines run, all of the above.
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -40,17 +40,34 @@ MODELS = {  # config, overrides, mesh per strategy (deepseek: the experts split 
         {name: {**mesh, "fsdp": mesh["fsdp"] // 2, "expert": 2} for name, mesh in LLAMA_MESHES.items()},
     ),
     "qwen3_5": ("configs/qwen3_5-tiny.yaml", [], LLAMA_MESHES),
+    # Qwen3.5-MoE: the tiny Qwen3.5's blocks ending in experts and a gated shared expert, with the load-balancing loss
+    "qwen3_5_moe": (
+        "configs/qwen3_5-tiny.yaml",
+        [
+            "model.family=qwen3_5_moe",
+            "model.num_experts=8",
+            "model.experts_per_token=2",
+            "model.moe_mlp_dim=64",
+            "model.num_shared_experts=1",
+            "model.shared_expert_gate=true",
+            "model.router_score=softmax",
+            "model.router_bias_rate=0",
+            "model.router_aux_loss_coef=0.001",
+        ],
+        {name: {**mesh, "fsdp": mesh["fsdp"] // 2, "expert": 2} for name, mesh in LLAMA_MESHES.items()},
+    ),
 }
+EXPERT_MODELS = ("deepseek", "qwen3_5_moe")
 QWEN3_5 = (("ring", "cudnn"),)  # the tiny Qwen3.5's case that runs by default
 # the custom calls that show a kernel in the compiled program
 CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": "__gpu$xla.gpu.triton"}
 
 
 def overrides(model: str, strategy: str, kernel: str) -> list[str]:
-    """Config overrides of one case; deepseek dispatches by capacity under the blockwise kernel and by the GPU
-    default (ragged) under the others."""
+    """Config overrides of one case; the expert models dispatch by capacity under the blockwise kernel and by the
+    GPU default (ragged) under the others."""
     _, extra, meshes = MODELS[model]
-    dispatch = ["parallel.expert_dispatch=capacity"] if model == "deepseek" and kernel == "blockwise" else []
+    dispatch = ["parallel.expert_dispatch=capacity"] if model in EXPERT_MODELS and kernel == "blockwise" else []
     return [
         *extra,
         *(f"mesh.{axis}={size}" for axis, size in meshes[strategy].items()),
@@ -67,8 +84,10 @@ def fast_deepseek(strategy: str, kernel: str) -> bool:
 
 def marks(model: str, strategy: str, kernel: str) -> list:
     """The slow cases (see the docstring); on the floor stack only the tiny Llama under none, ring and usp."""
-    if (model == "deepseek" and not fast_deepseek(strategy, kernel)) or (
-        model == "qwen3_5" and (strategy, kernel) not in QWEN3_5
+    if (
+        (model == "deepseek" and not fast_deepseek(strategy, kernel))
+        or (model == "qwen3_5" and (strategy, kernel) not in QWEN3_5)
+        or model == "qwen3_5_moe"
     ):
         return [pytest.mark.slow]
     return [] if model == "llama" and strategy in ("none", "ring", "usp") else [pytest.mark.newest_stack]
@@ -89,7 +108,7 @@ def test_train_step_compiles_for_h100(model, strategy, kernel):
     config = load_config(REPO / MODELS[model][0], overrides(model, strategy, kernel))
     plan = plan_memory(config, targets.compile_only_devices("h100", 8))
     assert (plan.platform, plan.devices, plan.attention_kernel) == ("gpu", 8, kernel)
-    dense = model != "deepseek"
+    dense = model not in EXPERT_MODELS
     assert plan.expert_dispatch == ("none" if dense else "capacity" if kernel == "blockwise" else "ragged")
     text = plan.compiled.as_text()
     for name, call in CUSTOM_CALLS.items():

@@ -3,7 +3,7 @@
 grouped by key head, two value heads to a key head, and its first layer dense) give transformers' logits (fp32, 1e-4)
 in both directions through shards; the load-balancing loss of the imported model is transformers' aux_loss; the text
 model of a Qwen3_5MoeForConditionalGeneration imports with its vision tower skipped; the shipped configs are the
-config classes' (their checkpoints')."""
+published config.json files imported."""
 
 import pathlib
 
@@ -21,7 +21,8 @@ from transformers import (
 )
 
 from models.config import FULL, LINEAR
-from models.hf import load_pretrained, qwen3_5_moe, qwen3_next
+from models.hf import load_pretrained
+from models.hf.families import by_architecture
 from tests.models import test_hf_qwen3_5
 from tests.models.hf_reference import SIZES, assert_case_round_trips, hf_logits, save_random
 from train.config import load_config
@@ -87,15 +88,69 @@ def test_conditional_generation_imports_its_text_model(tmp_path, caplog):
     assert model.config.family == "qwen3_5_moe"
 
 
-@pytest.mark.parametrize(
-    "name, config_class, from_hf",
-    [
-        ("qwen3.5-35b-a3b", Qwen3_5MoeTextConfig, qwen3_5_moe.config_from_hf),
-        ("qwen3-next-80b-a3b", Qwen3NextConfig, qwen3_next.config_from_hf),
-    ],
-)
-def test_shipped_config_is_transformers_config_class(name, config_class, from_hf):
-    """The config classes' defaults are the named checkpoints' (their docstrings say so); what they cannot vouch for
-    (rope_theta, max_position_embeddings) the shipped configs' comments say is unchecked."""
+# the published config.json files of the shipped configs as public transcriptions give them, less the keys no model
+# reads (Qwen3.5-35B-A3B's is a ConditionalGeneration's: its text_config)
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+    "tie_word_embeddings": False,
+    "text_config": {
+        "attention_bias": False,
+        "full_attention_interval": 4,
+        "head_dim": 256,
+        "hidden_size": 2048,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 128,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_value_head_dim": 128,
+        "max_position_embeddings": 262144,
+        "moe_intermediate_size": 512,
+        "num_attention_heads": 16,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 40,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_section": [11, 11, 10], "partial_rotary_factor": 0.25, "rope_theta": 10000000.0},
+        "shared_expert_intermediate_size": 512,
+        "vocab_size": 248320,
+    },
+}
+QWEN3_NEXT_80B_A3B = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "attention_bias": False,
+    "decoder_sparse_step": 1,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 5120,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 262144,
+    "mlp_only_layers": [],
+    "moe_intermediate_size": 512,
+    "norm_topk_prob": True,
+    "num_attention_heads": 16,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 2,
+    "partial_rotary_factor": 0.25,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 5000000,
+    "router_aux_loss_coef": 0.001,
+    "shared_expert_intermediate_size": 512,
+    "tie_word_embeddings": False,
+    "vocab_size": 151936,
+}
+
+
+@pytest.mark.parametrize("name, hf", [("qwen3.5-35b-a3b", QWEN3_5_35B_A3B), ("qwen3-next-80b-a3b", QWEN3_NEXT_80B_A3B)])
+def test_shipped_config_is_the_checkpoints(name, hf):
     shipped = load_config(CONFIGS / "models" / f"{name}.yaml").model
-    assert shipped == from_hf(config_class().to_dict())
+    assert shipped == by_architecture(hf).config_from_hf(hf)

@@ -130,6 +130,7 @@ def test_tiny_recipe_fine_tunes_an_imported_checkpoint_with_context_parallelism(
         "finetune-128k-deepseek-v2-lite",
         "finetune-128k-qwen3-8b",
         "finetune-128k-qwen3-30b-a3b",
+        "finetune-128k-qwen3.5-35b-a3b",
     ],
 )
 def test_full_size_recipes_validate(name, tmp_path):
