@@ -8,9 +8,11 @@ in original order:
   each piece's tail is all-gathered (pieces x (kernel - 1) rows, a few hundred KiB a layer at 128K);
 - the recurrence's state: each piece first runs from [I | 0] on values [0 | v] and reports its map [M | E],
   S_out = M S_in + E, for the document that continues past its start (M = 0 when one starts inside it); one
-  all-gather of the maps (pieces x heads x dk x (dk + dv) float32) and a fold in original order give every piece
-  its incoming state, from which it runs again for its outputs. A document start cuts the chain, as M = 0 does.
-The backward is autodiff through both (the gathers' transposes send the gradients home).
+  all-gather of the maps (pieces x heads x dk x (dk + dv) float32; float64 given float64) and a fold in original
+  order give every piece its incoming state, from which it runs again for its outputs. A document start cuts the
+  chain, as M = 0 does.
+The backward is the kernel's own (it recomputes each chunk's terms, parallel/kernels/gated_delta.py) and autodiff
+through the exchanges (the gathers' transposes send the gradients home).
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ def gated_delta(q, k, v, g, beta, segment_ids=None, *, chunk: int = kernel.CHUNK
     def whole_row(q, k, v, g, beta, seg):
         """The row in original order (static moves of the layout's pieces there and back), one run from zero."""
         q, k, v, g, beta, seg = (_join(_split(x, layout)[:, layout.by_position]) for x in (q, k, v, g, beta, seg))
-        zero = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), jnp.float32)
+        zero = jnp.zeros((q.shape[0], q.shape[2], q.shape[3], v.shape[3]), kernel.compute_dtype(k, v))
         start = jnp.full(seg.shape[:1], NO_SEGMENT, seg.dtype)
         out, _ = kernel.chunked(q, k, v, g, beta, seg, state=zero, start_seg=start, chunk=chunk)
         return _join(_split(out, layout)[:, layout.order[0]]).astype(v.dtype)

@@ -6,7 +6,8 @@ compiled program. deepseek-tiny's latent attention and experts take blockwise an
 under USP; the tiny Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under
 the ring; their other cases, and every Qwen3.5-MoE case, are slow (the GPU compiler takes 20-90 s each). The floor
 stack compiles the tiny Llama under none, ring and usp (every kernel, every collective pattern); the newest stack,
-which GPU machines run, all of the above.
+which GPU machines run, also its all_gather and ulysses with cuDNN (which compiles the Pallas fallback too; their
+blockwise and Pallas cases are slow) and the other models' cases above.
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -89,6 +90,8 @@ def marks(model: str, strategy: str, kernel: str) -> list:
         or (model == "qwen3_5" and (strategy, kernel) not in QWEN3_5)
         or model == "qwen3_5_moe"
     ):
+        return [pytest.mark.slow]
+    if model == "llama" and strategy in ("all_gather", "ulysses") and kernel != "cudnn":
         return [pytest.mark.slow]
     return [] if model == "llama" and strategy in ("none", "ring", "usp") else [pytest.mark.newest_stack]
 

@@ -1,12 +1,12 @@
 """Each family's train step over context=8 ring equals one device's (loss and gradients, packed rows), the expert
 families' also with experts over expert x context, Qwen3.5's Gated DeltaNet layers also on a document longer than a
-device's pieces, Qwen3.5-MoE's and Qwen3-Next's (shared expert gate, load-balancing loss) over ring 8 and expert 2 x
-ring 4, and q/k/v biases with q/k norms over tensor=4 with repeated key/value heads; sliding windows in layers that
-differ (scanned in groups; dense, MoE, Gemma 3's and GPT-OSS's blocks) over context=8 ring with a document longer
-than the window and than a device's pieces, Gemma 3 and GPT-OSS also over tensor=4 and under all_gather, ulysses and
-usp (GPT-OSS's all_gather and ulysses, and Gemma 3's: slow), GPT-OSS also over expert 2 x ring 4; biases, sinks and
-norm scales are random so that a misplaced one shows. The registry's expert families are the ones check_model lets
-have experts."""
+device's pieces and over ring 4 x tensor 2 (heads split), Qwen3-Next's (shared expert gate, load-balancing loss, a
+dense layer first) over expert 2 x ring 4 (Qwen3.5-MoE's, the same decoder, over ring 8: slow), and q/k/v biases with
+q/k norms over tensor=4 with repeated key/value heads; sliding windows in layers that differ (scanned in groups;
+dense, MoE, Gemma 3's and GPT-OSS's blocks) over context=8 ring with a document longer than the window and than a
+device's pieces, Gemma 3 and GPT-OSS also over tensor=4 and under all_gather, ulysses and usp (GPT-OSS's all_gather
+and ulysses, and Gemma 3's: slow), GPT-OSS also over expert 2 x ring 4; biases, sinks and norm scales are random so
+that a misplaced one shows. The registry's expert families are the ones check_model lets have experts."""
 
 import dataclasses
 
@@ -173,9 +173,11 @@ def newest(*case):
         ),
         *((WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
         (FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=8), RING, long_document_batch),
+        newest(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
         newest(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         newest(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
-        newest(QWEN3_5_MOE, MeshConfig(fsdp=1, context=8), RING, packed_batch),
+        # the same decoder class as Qwen3-Next's case below, without its dense layer
+        pytest.param(QWEN3_5_MOE, MeshConfig(fsdp=1, context=8), RING, packed_batch, marks=pytest.mark.slow),
         newest(QWEN3_NEXT, MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         newest(BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
         newest(WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
@@ -200,6 +202,7 @@ def newest(*case):
         *(f"{name}-ring8" for name in FAMILIES),
         *(f"{name}-long-document-ring8" for name in WINDOWED),
         "qwen3_5-long-document-ring8",
+        "qwen3_5-ring4-tensor2",
         "qwen3_moe-expert2-ring4",
         "mixtral-expert2-ring4",
         "qwen3_5_moe-ring8",

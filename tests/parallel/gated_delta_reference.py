@@ -1,5 +1,5 @@
-"""The gated delta rule token by token, the reference of parallel/kernels/gated_delta.py: float32, the state reset
-where the segment id changes (and at the row's start)."""
+"""The gated delta rule token by token, the reference of parallel/kernels/gated_delta.py: float32 (float64 given
+float64), the state reset where the segment id changes (and at the row's start)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from jax import lax
 
 def recurrence(q, k, v, g, beta, seg):
     """q, k: [batch, length, heads, dk], v: [batch, length, heads, dv], g / beta: [batch, length, heads], seg:
-    [batch, length] -> o [batch, length, heads, dv] float32, o_t = S_t^T q_t with
+    [batch, length] -> o [batch, length, heads, dv] float32 (float64 given float64), o_t = S_t^T q_t with
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T and S_{t-1} = 0 where a document starts."""
-    q, k, v, g, beta = (x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    dtype = jnp.result_type(jnp.float32, q.dtype, k.dtype, v.dtype)
+    q, k, v, g, beta = (x.astype(dtype) for x in (q, k, v, g, beta))
     starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
 
     def step(s, token):
@@ -22,7 +23,7 @@ def recurrence(q, k, v, g, beta, seg):
         return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
 
     batch, _, heads, dk = k.shape
-    state = jnp.zeros((batch, heads, dk, v.shape[-1]), jnp.float32)
+    state = jnp.zeros((batch, heads, dk, v.shape[-1]), dtype)
     tokens = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, starts))
     _, out = lax.scan(step, state, tokens)
     return jnp.moveaxis(out, 0, 1)
