@@ -49,14 +49,27 @@ def expert_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
     return jax.lax.ragged_dot(hidden, down, group_sizes)
 
 
-def load_balancing_loss(counts: jax.Array, probabilities: jax.Array, k: int) -> jax.Array:
-    """Switch Transformer's load-balancing loss over MoE layers, as transformers' load_balancing_loss_func pools them:
-    experts x sum_e f_e x P_e, f_e the share of routed rows and P_e the mean router probability of expert e over
-    every layer's tokens; k when balanced. counts / probabilities: per layer and expert, summed over the tokens
-    [layers, experts] (a layer routes counts.sum() / k tokens) -> [] float32; gradients flow through
-    probabilities."""
-    rows = jnp.sum(counts) / k
-    return counts.shape[-1] * jnp.sum(counts.sum(0) * probabilities.sum(0)) / (rows * rows)
+AUX_LOSS_SCOPES = ("pooled", "layer", "sequence")
+
+
+def load_balancing_loss(counts: jax.Array, probabilities: jax.Array, k: int, scope: str = "pooled") -> jax.Array:
+    """Switch Transformer's load-balancing loss E x sum_e f_e x P_e, f_e the share of routed assignments and P_e the
+    mean router probability of expert e over a set of tokens, 1 per set when balanced. counts / probabilities: per
+    MoE layer, row and expert, summed over the row's tokens [layers, rows, experts] (a row holds counts.sum(-1) / k
+    tokens) -> [] float32; gradients flow through probabilities. The sets, by `scope`:
+    - pooled: every layer's tokens together, times k (transformers' load_balancing_loss_func; k when balanced);
+    - layer: each layer's tokens, summed over layers (DeepSeek's aux_loss_alpha with seq_aux false);
+    - sequence: each layer's tokens of each row, the mean over rows summed over layers (DeepSeek's seq_aux)."""
+    if scope not in AUX_LOSS_SCOPES:
+        raise ValueError(f"load-balancing loss scope {scope!r} is unknown; available: {', '.join(AUX_LOSS_SCOPES)}")
+    experts = counts.shape[-1]
+    if scope == "pooled":
+        counts, probabilities = counts.sum((0, 1))[None, None], probabilities.sum((0, 1))[None, None]
+    elif scope == "layer":
+        counts, probabilities = counts.sum(1, keepdims=True), probabilities.sum(1, keepdims=True)
+    tokens = jnp.maximum(counts.sum(-1) / k, 1.0)  # [sets of layers, sets of rows]
+    per_set = experts / k * jnp.sum(counts * probabilities, -1) / (tokens * tokens)
+    return jnp.sum(jnp.mean(per_set, -1)) * (k if scope == "pooled" else 1)
 
 
 def load_imbalance(counts: jax.Array) -> jax.Array:
@@ -224,10 +237,10 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, dict]:
         """x: [batch, length, embed] in the residual stream's layout -> (y [batch, length, embed] in `dtype`, same
-        layout, {"counts": routed assignments per expert [experts], "dropped": assignments past the dispatch
-        capacity [], "probabilities": the router's probabilities summed per expert [experts]}, float32, over every
-        token). The routed experts go through `parallel.routed_experts` (tokens move to the experts' devices); the
-        shared experts are a SwiGLU with explicit collectives."""
+        layout, {"counts": routed assignments [batch, experts], "dropped": assignments past the dispatch capacity [],
+        "probabilities": the router's probabilities [batch, experts]}, float32, summed over each row's tokens (counts,
+        probabilities) or every token (dropped)). The routed experts go through `parallel.routed_experts` (tokens
+        move to the experts' devices); the shared experts are a SwiGLU with explicit collectives."""
         routed = parallel.routed_experts(
             x.astype(self.dtype),
             self._route,

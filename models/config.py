@@ -71,8 +71,11 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0  # routed_scaling_factor
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
     router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (all others, no bias)
-    # router_aux_loss_coef: weight of the load-balancing loss (softmax routing; transformers' load_balancing_loss_func)
+    # router_aux_loss_coef: weight of the load-balancing loss (aux_loss_alpha: DeepSeek's, per layer)
     router_aux_loss_coef: float = 0.0
+    # the tokens it balances (layers/moe.py): pooled (transformers' load_balancing_loss_func) | layer (DeepSeek with
+    # seq_aux false) | sequence (seq_aux: each row; with sigmoid routing DeepSeek-V3's complementary sequence-wise loss)
+    router_aux_loss_scope: str = "pooled"
     # GPT-OSS (gpt_oss; Hugging Face names in comments): attention_bias = qkv_bias and o_bias
     o_bias: bool = False  # o_proj bias
     attention_sinks: bool = False  # self_attn.sinks: a learned logit per head joining every softmax
@@ -296,9 +299,10 @@ def _check_experts(m: ModelConfig) -> None:
     require(m.router_bias_rate >= 0, f"model.router_bias_rate={m.router_bias_rate} must be >= 0")
     require(m.router_aux_loss_coef >= 0, f"model.router_aux_loss_coef={m.router_aux_loss_coef} must be >= 0")
     require(
-        m.router_score == "softmax" or m.router_aux_loss_coef == 0,
-        f"model.router_aux_loss_coef={m.router_aux_loss_coef} weighs the load-balancing loss of softmax routing; "
-        f"model.router_score={m.router_score!r} balances by its router bias: set model.router_aux_loss_coef=0",
+        m.router_score == "softmax" or m.router_aux_loss_coef == 0 or m.router_aux_loss_scope == "sequence",
+        f"model.router_aux_loss_coef={m.router_aux_loss_coef} with model.router_score={m.router_score!r}: sigmoid "
+        f"routing balances by its router bias, with at most DeepSeek-V3's sequence-wise loss beside it; set "
+        f"model.router_aux_loss_scope=sequence or model.router_aux_loss_coef=0",
     )
     require(m.shared_expert_mlp_dim >= 0, f"model.shared_expert_mlp_dim={m.shared_expert_mlp_dim} must be >= 0")
     require(

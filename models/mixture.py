@@ -2,9 +2,10 @@
 `num_moe_layers` in a mixture of experts (all dense when `num_experts` is 0), as two scanned stacks of the
 config's layer kinds (models/stack.py).
 
-Expert loads and router probabilities come back from `hidden` as aux: `aux_losses` turns them into the
-load-balancing loss of softmax routing (`router_aux_loss_coef`), `balance` into the aux-loss-free router-bias update
-and the load metrics after each optimizer step. A family (models/deepseek.py, models/mixtral.py) names its block class.
+Expert loads and router probabilities come back from `hidden` as aux, per layer and row: `aux_losses` turns them into
+the load-balancing loss (`router_aux_loss_coef`, over the tokens `router_aux_loss_scope` names), `balance` into the
+aux-loss-free router-bias update and the load metrics after each optimizer step. A family (models/deepseek.py,
+models/mixtral.py) names its block class.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ class MixtureDecoder(Decoder):
         )
 
     def blocks(self, x, positions, segment_ids):
-        """-> (x, aux {"expert_counts": [moe layers, experts], "expert_dropped": [moe layers], "expert_probabilities":
-        [moe layers, experts]} float32, summed over the tokens; empty without MoE layers)."""
+        """-> (x, aux {"expert_counts": [moe layers, batch, experts], "expert_dropped": [moe layers],
+        "expert_probabilities": [moe layers, batch, experts]} float32, summed over each row's tokens (counts,
+        probabilities) or every token (dropped); empty without MoE layers)."""
         aux = {}
         policy = self.compute.remat_policy
         if self.dense_layers is not None:
@@ -57,13 +59,16 @@ class MixtureDecoder(Decoder):
         return x, aux
 
     def aux_losses(self, aux) -> dict:
-        """{"router_aux_loss": (router_aux_loss_coef, the load-balancing loss [])} when the coefficient is set and
-        there are MoE layers, else {}."""
-        if self.moe_layers is None or not self.config.router_aux_loss_coef:
+        """{"router_aux_loss": (router_aux_loss_coef, the load-balancing loss [] over router_aux_loss_scope's tokens)}
+        when the coefficient is set and there are MoE layers, else {}."""
+        config = self.config
+        if self.moe_layers is None or not config.router_aux_loss_coef:
             return {}
         counts = jax.lax.stop_gradient(aux["expert_counts"])
-        loss = load_balancing_loss(counts, aux["expert_probabilities"], self.config.experts_per_token)
-        return {"router_aux_loss": (self.config.router_aux_loss_coef, loss)}
+        loss = load_balancing_loss(
+            counts, aux["expert_probabilities"], config.experts_per_token, config.router_aux_loss_scope
+        )
+        return {"router_aux_loss": (config.router_aux_loss_coef, loss)}
 
     def balance(self, aux) -> dict:
         """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate
@@ -72,7 +77,7 @@ class MixtureDecoder(Decoder):
         layers)."""
         if self.moe_layers is None:
             return {}
-        counts = jax.lax.stop_gradient(aux["expert_counts"])
+        counts = jax.lax.stop_gradient(aux["expert_counts"]).sum(1)  # [moe layers, experts]
         for block, layers in stacked_blocks(self.moe_layers, self.config.layer_kinds[self.config.num_dense_layers :]):
             bias = block.moe.bias
             bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(

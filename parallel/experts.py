@@ -23,6 +23,10 @@ Without expert-parallel axes (one device, or none divides the experts), every de
 tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens
 pass through in chunks of at most plan.expert_chunk tokens (a scan with remat), so the dispatch scratch does not
 grow with the local sequence.
+
+What a load-balancing loss reads comes back per row of the batch: the assignments and the router's probabilities
+summed per expert over each row's tokens, psum'd over the axes that split the length only (a row's pieces), so a
+per-sequence loss sees whole rows under context parallelism.
 """
 
 from __future__ import annotations
@@ -62,12 +66,13 @@ def receive_rows(tokens: int, k: int, factor: float) -> int:
 
 
 class Routed(NamedTuple):
-    """What `routed_experts` returns; all but y summed over every token of every device, float32."""
+    """What `routed_experts` returns; all but y float32, summed over each row's tokens on every device (counts,
+    probabilities) or over every token (dropped)."""
 
     y: jax.Array  # [batch, length, embed] in x's dtype and layout
-    counts: jax.Array  # routed assignments per expert [experts]
+    counts: jax.Array  # routed assignments per row and expert [batch, experts]
     dropped: jax.Array  # assignments past the dispatch capacity []
-    probabilities: jax.Array  # the router's probabilities summed per expert [experts] (a load-balancing loss's)
+    probabilities: jax.Array  # the router's probabilities summed per row and expert [batch, experts] (a loss's)
 
 
 def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices, *, num_experts: int) -> Routed:
@@ -83,13 +88,8 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
         raise ValueError(f"expert dispatch {plan.expert_dispatch!r} is unknown; available: {', '.join(DISPATCHES)}")
     layout = _token_layout(mesh, x.shape)
     if layout is None:  # one device, or a shape that does not split (e.g. a sampled prompt): placed by the partitioner
-        tokens = x.reshape(-1, x.shape[-1])
-        y, *sums = _chunked(
-            tokens,
-            plan.expert_chunk,
-            _routed(route, route_params, lambda t, a: _dropless(t, a, ffn, matrices, num_experts)),
-        )
-        return Routed(y.reshape(x.shape), *(s.astype(jnp.float32) for s in sums))
+        routed = _routed(route, route_params, lambda t, a: _dropless(t, a, ffn, matrices, num_experts), num_experts)
+        return Routed(*_chunked(x, plan.expert_chunk, routed))
     spec, token_axes, replicated = layout
     shares = math.prod(mesh.shape[a] for a in replicated)
     axes = expert_axes(mesh, num_experts)
@@ -100,20 +100,23 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
         if replicated:  # each copy takes its share of the length; the partitioner gathers the outputs
             share = x.shape[1] // shares
             x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(replicated) * share, share, axis=1)
-        tokens = x.reshape(-1, x.shape[-1])
 
         def dispatched(t, assignment):
             if not axes:
                 return _dropless(t, assignment, ffn, matrices, num_experts)
             return dispatch(t, assignment, ffn, matrices, num_experts, plan.expert_capacity, axes)
 
-        y, *sums = _chunked(tokens, plan.expert_chunk, _routed(route, route_params, dispatched))
-        sums = jax.lax.psum(tuple(s.astype(jnp.float32) for s in sums), token_axes + replicated)
-        return Routed(y.reshape(x.shape), *sums)
+        y, counts, dropped, probabilities = _chunked(
+            x, plan.expert_chunk, _routed(route, route_params, dispatched, num_experts)
+        )
+        row_axes = _axes(spec[1]) + replicated  # the axes holding pieces of one row
+        counts, probabilities = jax.lax.psum((counts, probabilities), row_axes)
+        return Routed(y, counts, jax.lax.psum(dropped, token_axes + replicated), probabilities)
 
     specs = (spec, PartitionSpec(), PartitionSpec(axes or None))
+    rows = PartitionSpec(spec[0])
     routed = jax.shard_map(
-        local, mesh=mesh, in_specs=specs, check_vma=True, out_specs=Routed(out_spec, *(PartitionSpec(),) * 3)
+        local, mesh=mesh, in_specs=specs, check_vma=True, out_specs=Routed(out_spec, rows, PartitionSpec(), rows)
     )(x, tuple(route_params), tuple(matrices))
     return routed._replace(y=jax.lax.with_sharding_constraint(routed.y, spec))
 
@@ -137,31 +140,38 @@ def _axes(entry) -> tuple[str, ...]:
     return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-def _routed(route: Route, route_params, dispatch):
-    """tokens [m, embed] -> (y [m, embed], counts [experts], dropped [], probabilities summed per expert [experts]):
-    routed by route(tokens, *route_params), the assignments sent by dispatch(tokens, (weights, experts)) -> (y,
-    counts, dropped)."""
+def _routed(route: Route, route_params, dispatch, num_experts: int):
+    """(tokens [m, embed], their rows [m] int32, rows in all) -> (y [m, embed], counts [rows, experts], dropped [],
+    probabilities [rows, experts]) float32 but y: routed by route(tokens, *route_params), the assignments sent by
+    dispatch(tokens, (weights, experts)) -> (y, dropped), counts and probabilities summed per row."""
 
-    def run(tokens):
+    def run(tokens, row, rows):
         weights, experts, probabilities = route(tokens, *route_params)
-        return (*dispatch(tokens, (weights, experts)), probabilities.sum(0))
+        y, dropped = dispatch(tokens, (weights, experts))
+        counts = jnp.zeros((rows, num_experts), jnp.float32).at[row[:, None], experts].add(1.0)
+        by_row = jax.ops.segment_sum(probabilities.astype(jnp.float32), row, num_segments=rows)
+        return y, counts, dropped.astype(jnp.float32), by_row
 
     return run
 
 
-def _chunked(tokens, chunk: int, run):
-    """run(tokens [m, embed]) -> (y [m, embed], sums...) over chunks of at most `chunk` tokens (0 = all at once): a
-    scan whose steps are rematerialised in the backward pass; the sums (counts, drops, ...) are summed."""
-    n = tokens.shape[0]
+def _chunked(x, chunk: int, run):
+    """run(tokens [m, embed], row [m], rows) -> (y [m, embed], sums...) over the tokens of x [batch, length, embed]
+    in chunks of at most `chunk` tokens (0 = all at once): a scan whose steps are rematerialised in the backward
+    pass; the sums (counts, drops, ...) are summed -> (y [batch, length, embed], sums...)."""
+    batch, length, d = x.shape
+    n = batch * length
+    tokens, row = x.reshape(n, d), jnp.arange(n, dtype=jnp.int32) // length
     pieces = next(p for p in range(-(-n // chunk) if chunk else 1, n + 1) if n % p == 0)
     if pieces == 1:
-        return run(tokens)
+        y, *sums = run(tokens, row, batch)
+        return y.reshape(x.shape), *sums
 
     def step(_, piece):
-        return None, run(piece)
+        return None, run(*piece, batch)
 
-    _, (y, *sums) = jax.lax.scan(jax.checkpoint(step), None, tokens.reshape(pieces, n // pieces, -1))
-    return y.reshape(tokens.shape), *(s.sum(0) for s in sums)
+    _, (y, *sums) = jax.lax.scan(jax.checkpoint(step), None, (tokens.reshape(pieces, -1, d), row.reshape(pieces, -1)))
+    return y.reshape(x.shape), *(s.sum(0) for s in sums)
 
 
 def _combine(rows: jax.Array, index: jax.Array, weights: jax.Array, dtype) -> jax.Array:
@@ -190,7 +200,7 @@ def _dropless(tokens, assignment, ffn, matrices, num_experts):
     n, k = experts.shape
     order, position, counts = _sort_by_expert(experts, num_experts)
     out = ffn(jnp.take(tokens, order // k, axis=0), *matrices, group_sizes=counts)
-    return _combine(out, position.reshape(n, k), weights, tokens.dtype), counts, jnp.zeros((), jnp.int32)
+    return _combine(out, position.reshape(n, k), weights, tokens.dtype), jnp.zeros((), jnp.int32)
 
 
 def _capacity(tokens, assignment, ffn, matrices, num_experts, factor, axes):
@@ -213,7 +223,7 @@ def _capacity(tokens, assignment, ffn, matrices, num_experts, factor, axes):
     out = ffn(received.swapaxes(0, 1).reshape(local, shards * cap, d), *matrices)
     out = jax.lax.all_to_all(out.reshape(local, shards, cap, d).swapaxes(0, 1), axes, 0, 0, tiled=True)
     y = _combine(out.reshape(num_experts * cap, d), slot.reshape(n, k), weights, tokens.dtype)
-    return y, counts, jnp.sum(rank >= cap)
+    return y, jnp.sum(rank >= cap)
 
 
 class RaggedLayout(NamedTuple):
@@ -286,4 +296,4 @@ def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
         axis_name=axes,
     )
     y = _combine(back, position.reshape(n, k), weights, tokens.dtype)  # dropped rows came back as zeros
-    return y, counts, jnp.sum(counts - layout.send_sizes)
+    return y, jnp.sum(counts - layout.send_sizes)

@@ -22,6 +22,7 @@ FREE = (
     "param_dtype",
     "router_bias_rate",
     "router_aux_loss_coef",
+    "router_aux_loss_scope",
 )
 
 

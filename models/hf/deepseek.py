@@ -5,7 +5,9 @@ top-k (router_score sigmoid). DeepSeek-V2 routes with a softmax over all experts
 router_bias_rate 0; our zero router bias is not stored): topk_method greedy is plain top-k (n_group 1),
 group_limited_greedy keeps the topk_group groups holding the best experts. transformers' DeepseekV2 never
 renormalises the chosen weights while DeepSeek's own code does when norm_topk_prob is true, so a V2 config.json
-must have norm_topk_prob false. Export picks the architecture by router_score.
+must have norm_topk_prob false. A V2 trains with the load-balancing loss DeepSeek's code adds: aux_loss_alpha per MoE
+layer, over each sequence (row) when seq_aux, else over the batch (router_aux_loss_scope sequence / layer); V3's
+(sigmoid, the router bias balancing) is not read. Export picks the architecture by router_score.
 
 Hugging Face layer i < first_k_dense_replace is slice i of `dense_layers`, layer first_k_dense_replace + j slice j
 of `moe_layers`. Checkpoints hold the routed experts one by one (`mlp.experts.{e}.{gate,up,down}_proj.weight`;
@@ -74,7 +76,10 @@ DEFAULTS = {
     "tie_word_embeddings": False,
     "rope_interleave": True,
 }
+# (aux_loss_alpha and seq_aux: DeepSeek's own DeepseekV2Config's, which transformers' lacks)
 V2_DEFAULTS = {
+    "aux_loss_alpha": 0.001,
+    "seq_aux": True,
     "q_lora_rank": 1536,
     "n_shared_experts": 2,
     "first_k_dense_replace": 0,
@@ -159,6 +164,8 @@ def v2_config_from_hf(hf: dict) -> ModelConfig:
         norm_topk_prob=False,
         router_score="softmax",
         router_bias_rate=0.0,
+        router_aux_loss_coef=float(hf["aux_loss_alpha"]),
+        router_aux_loss_scope="sequence" if hf["seq_aux"] else "layer",
     )
 
 
@@ -217,10 +224,17 @@ def v2_config_to_hf(config: ModelConfig) -> dict:
             f"{V2_ARCHITECTURE}: model.router_score={config.router_score!r}, model.norm_topk_prob="
             f"{config.norm_topk_prob}; DeepSeek-V2 routes with 'softmax' and norm_topk_prob false"
         )
+    if config.router_aux_loss_coef and config.router_aux_loss_scope == "pooled":
+        raise ValueError(
+            f"{V2_ARCHITECTURE}: model.router_aux_loss_scope='pooled'; DeepSeek-V2's aux_loss_alpha balances each "
+            f"layer over its sequences (seq_aux) or its batch: set model.router_aux_loss_scope to sequence or layer"
+        )
     topk_method = "group_limited_greedy" if config.n_group > 1 else "greedy"
     return {
         **_hf_config(config, V2_ARCHITECTURE, "deepseek_v2"),
         "topk_method": topk_method,
+        "aux_loss_alpha": config.router_aux_loss_coef,
+        "seq_aux": config.router_aux_loss_scope != "layer",
         **V2_REQUIRED,
         **V2_DEEPSEEK_REQUIRED,
     }

@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from models.config import ModelConfig
 from models.hf import gqa, qwen3_5
-from models.hf.spec import Family, Nesting, Placement, Tensor, check_fields, never, placements, transpose
+from models.hf.spec import (
+    Family,
+    Nesting,
+    Placement,
+    Tensor,
+    check_fields,
+    never,
+    placements,
+    pooled_aux_loss_coef,
+    transpose,
+)
 
 ARCHITECTURE = "Qwen3_5MoeForCausalLM"
 # Qwen3_5MoeTextConfig's values for the keys a config.json may leave out
@@ -46,14 +56,14 @@ def expert_fields(hf: dict) -> dict:
     )
 
 
-def expert_keys(config: ModelConfig) -> dict:
+def expert_keys(config: ModelConfig, architecture: str) -> dict:
     """`expert_fields` undone: the config.json keys of the experts."""
     return {
         "num_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,
         "moe_intermediate_size": config.moe_mlp_dim,
         "shared_expert_intermediate_size": config.shared_expert_mlp_dim or config.moe_mlp_dim,
-        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "router_aux_loss_coef": pooled_aux_loss_coef(config, architecture),
     }
 
 
@@ -72,7 +82,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     check_fields(config, FIELDS, ARCHITECTURE)
     hf = qwen3_5.text_config_to_hf(config, ARCHITECTURE, "qwen3_5_moe_text")
     del hf["intermediate_size"]
-    return {**hf, **expert_keys(config)}
+    return {**hf, **expert_keys(config, ARCHITECTURE)}
 
 
 def experts(block: Placement) -> list[Tensor]:

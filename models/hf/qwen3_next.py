@@ -58,7 +58,7 @@ def config_to_hf(config: ModelConfig) -> dict:
     check_fields(config, qwen3_5_moe.EXPERT_FIELDS, ARCHITECTURE)
     return {
         **qwen3_5.text_config_to_hf(config, ARCHITECTURE, "qwen3_next"),
-        **qwen3_5_moe.expert_keys(config),
+        **qwen3_5_moe.expert_keys(config, ARCHITECTURE),
         "norm_topk_prob": config.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(config.num_dense_layers)),

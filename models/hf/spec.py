@@ -46,6 +46,14 @@ def check_fields(config: ModelConfig, required: dict, architecture: str) -> None
             )
 
 
+def pooled_aux_loss_coef(config: ModelConfig, architecture: str) -> float:
+    """config.json's router_aux_loss_coef: the weight of transformers' pooled load-balancing loss; ValueError when
+    `config` weighs a loss over other tokens (model.router_aux_loss_scope), which `architecture` cannot hold."""
+    if config.router_aux_loss_coef:
+        check_fields(config, {"router_aux_loss_scope": "pooled"}, architecture)
+    return config.router_aux_loss_coef
+
+
 def whole(config: ModelConfig) -> Iterator[tuple[dict, tuple[int, ...]]]:
     """One Hugging Face tensor fills the whole parameter."""
     del config

@@ -5,9 +5,10 @@ train CONFIG --plan --target h100 --devices 8` compiles, and each checks that th
 compiled program. deepseek-tiny's latent attention and experts take blockwise and Pallas under the ring and cuDNN
 under USP; the tiny Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under
 the ring; their other cases, and every Qwen3.5-MoE case, are slow (the GPU compiler takes 20-90 s each). The floor
-stack compiles the tiny Llama under none, ring and usp (every kernel, every collective pattern); the newest stack,
-which GPU machines run, also its all_gather and ulysses with cuDNN (which compiles the Pallas fallback too; their
-blockwise and Pallas cases are slow) and the other models' cases above.
+stack compiles the tiny Llama under the ring (every kernel) and under usp with cuDNN (every collective pattern); the
+newest stack, which GPU machines run, also its usp with the others, and its none, all_gather and ulysses with cuDNN
+(which compiles the Pallas fallback too; their blockwise and Pallas cases are slow), and the other models' cases
+above.
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -84,16 +85,17 @@ def fast_deepseek(strategy: str, kernel: str) -> bool:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """The slow cases (see the docstring); on the floor stack only the tiny Llama under none, ring and usp."""
+    """The slow cases (see the docstring); on the floor stack only the tiny Llama's ring and its USP with cuDNN."""
     if (
         (model == "deepseek" and not fast_deepseek(strategy, kernel))
         or (model == "qwen3_5" and (strategy, kernel) not in QWEN3_5)
         or model == "qwen3_5_moe"
     ):
         return [pytest.mark.slow]
-    if model == "llama" and strategy in ("all_gather", "ulysses") and kernel != "cudnn":
+    if model == "llama" and strategy in ("none", "all_gather", "ulysses") and kernel != "cudnn":
         return [pytest.mark.slow]
-    return [] if model == "llama" and strategy in ("none", "ring", "usp") else [pytest.mark.newest_stack]
+    floor = model == "llama" and (strategy == "ring" or (strategy, kernel) == ("usp", "cudnn"))
+    return [] if floor else [pytest.mark.newest_stack]
 
 
 def cases() -> list:

@@ -10,6 +10,7 @@ from flax import nnx
 from layers.mlp import SwiGLU
 from layers.moe import MoE, RouterBias, expert_swiglu, load_balancing_loss, load_imbalance, update_router_bias
 from parallel import routed_experts
+from tests.layers.aux_loss_reference import deepseek_aux_loss
 
 EMBED, MLP, EXPERTS = 16, 8, 8
 
@@ -101,8 +102,9 @@ def test_equals_dense_reference(num_shared, n_group, topk_group, k, norm, score)
     )
     assert y.shape == x.shape and y.dtype == jnp.float32 and counts.dtype == jnp.float32
     assert rel_err(y, expected) <= 1e-5
-    np.testing.assert_array_equal(np.asarray(counts), expected_counts)
-    assert float(counts.sum()) == 2 * 16 * k and float(stats["dropped"]) == 0  # one device: dropless
+    np.testing.assert_array_equal(np.asarray(counts).sum(0), expected_counts)
+    np.testing.assert_array_equal(np.asarray(counts).sum(-1), [16 * k] * 2)  # per row
+    assert float(stats["dropped"]) == 0  # one device: dropless
 
 
 def test_annotations_shapes_and_dtype():
@@ -198,7 +200,7 @@ def test_dropless_experts_equal_per_expert_loop():
     kernels = (moe.experts_gate[...], moe.experts_up[...], moe.experts_down[...])
     y, counts, dropped = jax.jit(
         lambda t: routed_experts(
-            t[None],
+            t.reshape(2, 6, EMBED),
             lambda _: (weights, experts, jnp.zeros((12, EXPERTS))),
             (),
             expert_swiglu,
@@ -206,13 +208,14 @@ def test_dropless_experts_equal_per_expert_loop():
             num_experts=EXPERTS,
         )[:3]
     )(tokens)
-    y = y[0]
+    y = y.reshape(tokens.shape)
     expected = jnp.zeros_like(tokens)
     for e in range(EXPERTS):
         out = jax.nn.silu(tokens @ moe.experts_gate[e]) * (tokens @ moe.experts_up[e]) @ moe.experts_down[e]
         expected += jnp.sum(jnp.where(experts == e, weights, 0.0), -1, keepdims=True) * out
     assert rel_err(y, np.asarray(expected, np.float64)) <= 1e-5
-    np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(experts).ravel(), minlength=EXPERTS))
+    per_row = [np.bincount(np.asarray(experts[r * 6 : r * 6 + 6]).ravel(), minlength=EXPERTS) for r in range(2)]
+    np.testing.assert_array_equal(np.asarray(counts), per_row)
     assert float(dropped) == 0
 
 
@@ -361,7 +364,7 @@ def test_load_balancing_loss_equals_transformers():
     def ours(logits):
         probabilities = jax.nn.softmax(logits, -1)
         picked = jax.nn.one_hot(jax.lax.top_k(probabilities, k)[1], EXPERTS).sum((1, 2))
-        return load_balancing_loss(jax.lax.stop_gradient(picked), probabilities.sum(1), k)
+        return load_balancing_loss(jax.lax.stop_gradient(picked)[:, None], probabilities.sum(1)[:, None], k)
 
     value, grad = jax.value_and_grad(ours)(jnp.asarray(logits, jnp.float32))
     torch_logits = torch.tensor(logits, requires_grad=True)
@@ -369,5 +372,31 @@ def test_load_balancing_loss_equals_transformers():
     expected.backward()
     np.testing.assert_allclose(float(value), float(expected.detach()), rtol=1e-5)
     np.testing.assert_allclose(np.asarray(grad), torch_logits.grad.numpy(), rtol=1e-4, atol=1e-7)
-    balanced = jnp.full((1, EXPERTS), 6.0), jnp.full((1, EXPERTS), 16 / EXPERTS)  # 16 tokens, k = 3
+    balanced = jnp.full((1, 1, EXPERTS), 6.0), jnp.full((1, 1, EXPERTS), 16 / EXPERTS)  # 16 tokens, k = 3
     np.testing.assert_allclose(float(load_balancing_loss(*balanced, 3)), 3.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("scope", ["layer", "sequence"])
+def test_load_balancing_loss_per_layer_and_sequence_equal_deepseeks(scope):
+    """Two layers of three rows: the value DeepSeek's MoEGate adds per layer (seq_aux or not), summed over layers; its
+    gradient in the scores is that of the same formula (f held); 1 per layer when balanced."""
+    k = 2
+    logits = jax.random.normal(jax.random.key(5), (2, 3, 10, EXPERTS)) * jnp.arange(1.0, 4.0)[:, None, None]
+    scores = jax.nn.softmax(logits, -1)
+    experts = jax.lax.top_k(scores, k)[1]
+    counts = jax.nn.one_hot(experts, EXPERTS).sum((2, 3))  # [layers, rows, experts]
+
+    def ours(scores):
+        return load_balancing_loss(counts, scores.sum(2), k, scope)
+
+    value, grad = jax.value_and_grad(ours)(scores)
+    expected = deepseek_aux_loss(np.asarray(experts), np.asarray(scores, np.float64), scope == "sequence")
+    np.testing.assert_allclose(float(value), expected, rtol=1e-5)
+    f = np.asarray(counts) / (10 * k / EXPERTS)  # d loss / d score[l, r, t, e] = f[l, r, e] / (length x rows)
+    if scope == "layer":
+        f = np.broadcast_to(f.sum(1, keepdims=True) / 3, f.shape)
+    np.testing.assert_allclose(np.asarray(grad), np.broadcast_to(f[:, :, None] / 30, grad.shape), rtol=1e-5)
+    balanced = jnp.full((2, 3, EXPERTS), 10 * k / EXPERTS), jnp.full((2, 3, EXPERTS), 10 / EXPERTS)
+    np.testing.assert_allclose(float(load_balancing_loss(*balanced, k, scope)), 2.0, rtol=1e-6)
+    with pytest.raises(ValueError, match="scope 'row' is unknown; available: pooled, layer, sequence"):
+        load_balancing_loss(*balanced, k, "row")

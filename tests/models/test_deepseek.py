@@ -32,8 +32,8 @@ def test_logits_and_expert_loads():
     assert model(tokens()).shape == (2, 32, TINY.vocab_size)
     _, aux = model.hidden(tokens())
     moe_layers = TINY.num_layers - TINY.first_dense_layers
-    assert aux["expert_counts"].shape == (moe_layers, TINY.num_experts)
-    np.testing.assert_array_equal(aux["expert_counts"].sum(-1), 2 * 32 * TINY.experts_per_token)
+    assert aux["expert_counts"].shape == (moe_layers, 2, TINY.num_experts)  # per layer and row
+    np.testing.assert_array_equal(aux["expert_counts"].sum(-1), 32 * TINY.experts_per_token)
     np.testing.assert_array_equal(aux["expert_dropped"], np.zeros(moe_layers))
 
 
@@ -45,7 +45,7 @@ def test_all_dense_without_experts():
 
 def test_balance_raises_the_bias_of_under_loaded_experts():
     model = models.build(TINY, rngs=nnx.Rngs(0))
-    counts = jnp.asarray([[10.0, 0, 0, 0, 0, 0, 0, 6]] * 2)
+    counts = jnp.asarray([[[10.0, 0, 0, 0, 0, 0, 0, 2], [0, 0, 0, 0, 0, 0, 0, 4]]] * 2)  # [layers, rows, experts]
     metrics = model.balance({"expert_counts": counts, "expert_dropped": jnp.asarray([2.0, 0.0])})
     bias = np.asarray(model.moe_layers.moe.bias[...])
     rate = TINY.router_bias_rate

@@ -5,6 +5,7 @@ group-limited routing and both rotary column layouts; V2 with a full-rank query,
 line's import then export gives back the checkpoint's tensors; the V2-Lite config is DeepSeek-V2-Lite's
 config.json imported; V2's group-limited routing round-trips through config.json."""
 
+import dataclasses
 import json
 import pathlib
 
@@ -25,6 +26,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 import models
 from models.hf import load_pretrained, save_pretrained
 from models.hf.deepseek import config_from_hf, v2_config_from_hf, v2_config_to_hf
+from tests.layers.aux_loss_reference import deepseek_aux_loss
 from tests.models.hf_reference import hf_logits, hf_tensors, our_logits, tokens
 from train import hf as cli
 from train.config import load_config
@@ -71,6 +73,7 @@ V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"],
     "model_type": "deepseek_v2",
     "attention_bias": False,
+    "aux_loss_alpha": 0.001,
     "first_k_dense_replace": 1,
     "hidden_act": "silu",
     "hidden_size": 2048,
@@ -103,6 +106,7 @@ V2_LITE = {
     "rope_theta": 10000,
     "routed_scaling_factor": 1.0,
     "scoring_func": "softmax",
+    "seq_aux": True,
     "tie_word_embeddings": False,
     "topk_group": 1,
     "topk_method": "greedy",
@@ -190,17 +194,34 @@ def test_v2_import_and_export_match_transformers(tmp_path):
         max_position_embeddings=64,
         routed_scaling_factor=1.5,
         tie_word_embeddings=False,
+        aux_loss_alpha=0.01,
+        seq_aux=True,
     )
     model = load_pretrained(tmp_path / "hf")
     config = model.config
     assert (config.router_score, config.router_bias_rate, config.norm_topk_prob) == ("softmax", 0.0, False)
     assert (config.n_group, config.routed_scaling_factor, config.q_lora_rank) == (1, 1.5, 0)
+    assert (config.router_aux_loss_coef, config.router_aux_loss_scope) == (0.01, "sequence")
     assert not np.any(np.asarray(model.moe_layers.moe.bias[...]))
-    ids = tokens()
+    ids = np.concatenate([tokens(), tokens()[:, ::-1]])  # rows that route apart
+    routing = []  # each MoE layer's (router logits [tokens, experts], chosen experts [tokens, k])
+    hooks = [
+        layer.mlp.gate.register_forward_hook(lambda _, __, out: routing.append((out[0], out[2])))
+        for layer in reference.model.layers[1:]
+    ]
     expected = hf_logits(reference, ids)
+    for hook in hooks:
+        hook.remove()
     assert np.abs(expected).max() > 1.0
     logits = our_logits(model, ids)
     np.testing.assert_allclose(logits, expected, rtol=0, atol=1e-4)
+
+    # the load-balancing loss DeepSeek's own code adds (transformers' lacks it), on transformers' routing
+    scores = np.stack([torch.softmax(logit, -1).numpy().reshape(*ids.shape, -1) for logit, _ in routing])
+    chosen = np.stack([experts.numpy().reshape(*ids.shape, -1) for _, experts in routing])
+    losses = nnx.jit(lambda m, x: {k: v[1] for k, v in m.aux_losses(m.hidden(x).aux).items()})(model, ids)
+    np.testing.assert_allclose(float(losses["router_aux_loss"]), deepseek_aux_loss(chosen, scores, True), rtol=1e-5)
+    assert abs(float(losses["router_aux_loss"]) - 2.0) > 1e-2  # not the balanced value of 2 layers
 
     save_pretrained(model, tmp_path / "out")
     assert "model.layers.1.mlp.gate.e_score_correction_bias" not in hf_tensors(tmp_path / "out")
@@ -209,6 +230,7 @@ def test_v2_import_and_export_match_transformers(tmp_path):
     )
     assert not any(info.values()), info
     assert isinstance(exported, DeepseekV2ForCausalLM) and exported.config.topk_method == "greedy"
+    assert (exported.config.aux_loss_alpha, exported.config.seq_aux) == (0.01, True)
     assert exported.config.to_dict()["rope_parameters"] == reference.config.to_dict()["rope_parameters"]
     np.testing.assert_allclose(hf_logits(exported, ids), logits, rtol=0, atol=1e-4)
 
@@ -230,6 +252,15 @@ def test_v2_group_limited_routing_round_trips():
     }
     assert v2_config_from_hf(written) == config
     assert v2_config_to_hf(v2_config_from_hf(V2_LITE))["topk_method"] == "greedy"
+
+
+def test_v2_load_balancing_loss_over_the_batch_round_trips():
+    config = v2_config_from_hf(dict(V2_LITE, seq_aux=False))
+    assert (config.router_aux_loss_coef, config.router_aux_loss_scope) == (0.001, "layer")
+    assert v2_config_to_hf(config)["seq_aux"] is False
+    pooled = dataclasses.replace(config, router_aux_loss_scope="pooled")
+    with pytest.raises(ValueError, match="router_aux_loss_scope='pooled'; DeepSeek-V2's aux_loss_alpha balances"):
+        v2_config_to_hf(pooled)
 
 
 @pytest.mark.parametrize(

@@ -83,8 +83,8 @@ def test_ragged_dispatch_is_checked_against_capacity(monkeypatch, caplog):
     assert "ragged expert dispatch checked against the capacity dispatch" in caplog.text
 
     def wrong(*args):
-        y, counts, dropped = experts._capacity(*args)
-        return y.at[0].add(1.0), counts, dropped
+        y, dropped = experts._capacity(*args)
+        return y.at[0].add(1.0), dropped
 
     monkeypatch.setattr(experts, "_ragged", wrong)
     with caplog.at_level(logging.WARNING):

@@ -170,6 +170,19 @@ def test_softmax_router_needs_a_frozen_bias():
         load_config(v2_lite, ["parallel.expert_capacity_factor=0"])
 
 
+def test_load_balancing_loss_scope_is_checked():
+    v2_lite = CONFIGS / "models" / "deepseek-v2-lite.yaml"
+    allowed = "model.router_aux_loss_scope='row' is not allowed; choose one of pooled, layer, sequence"
+    with pytest.raises(ConfigError, match=re.escape(allowed)):
+        load_config(v2_lite, ["model.router_aux_loss_scope=row"])
+    sigmoid = ["model.router_score=sigmoid", "model.router_bias_rate=0.001"]
+    with pytest.raises(
+        ConfigError, match=re.escape("set model.router_aux_loss_scope=sequence or model.router_aux_loss_coef=0")
+    ):
+        load_config(v2_lite, [*sigmoid, "model.router_aux_loss_scope=layer"])
+    assert load_config(v2_lite, sigmoid).model.router_aux_loss_scope == "sequence"  # DeepSeek-V3's sequence-wise
+
+
 def test_llama_configs_have_expected_fields():
     config = load_config(CONFIGS / "models" / "llama3.1-70b.yaml")
     assert (config.model.embed_dim, config.model.num_layers, config.model.num_kv_heads) == (8192, 80, 8)
@@ -273,6 +286,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "model.rope_scaling.type": rope.SCALINGS,
         "model.param_dtype": dtypes.PARAM_DTYPES,
         "model.router_score": moe.ROUTER_SCORES,
+        "model.router_aux_loss_scope": moe.AUX_LOSS_SCOPES,
         "model.expert_mlp": moe.EXPERT_MLPS,
         "compute.dtype": ("auto", *dtypes.DTYPES),
         "optimizer.mu_dtype": ("param", *dtypes.PARAM_DTYPES),

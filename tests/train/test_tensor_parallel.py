@@ -1,5 +1,6 @@
 """Tensor parallelism, scattered by default: a train step over tensor in {2, 4} (also with context, fsdp and
-expert) gives the loss and gradients of one device for Llama (GQA) and DeepSeek (MLA + MoE); the compiled block
+expert) gives the loss and gradients of one device for Llama (GQA) and DeepSeek (MLA + MoE, with the per-sequence
+load-balancing loss over rows split by context); the compiled block
 moves activations with reduce-scatters and all-gathers only, and MLA gathers q_lora + kv_lora + rope features."""
 
 import dataclasses
@@ -39,6 +40,9 @@ DEEPSEEK = ModelConfig(
     moe_mlp_dim=16,
     num_shared_experts=1,
     first_dense_layers=1,
+    # DeepSeek-V3's sequence-wise balance loss, large enough that a row summed over the wrong devices shows
+    router_aux_loss_coef=0.1,
+    router_aux_loss_scope="sequence",
 )
 # capacity factor num_experts / experts_per_token: expert parallelism drops nothing
 RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)

@@ -11,7 +11,7 @@ import pathlib
 from jax.sharding import Mesh
 
 import models
-from layers.moe import EXPERT_MLPS, ROUTER_SCORES
+from layers.moe import AUX_LOSS_SCOPES, EXPERT_MLPS, ROUTER_SCORES
 from layers.rope import SCALINGS
 from models.config import ConfigError, check_model, require
 from models.dtypes import COMPUTE_DTYPES, PARAM_DTYPES
@@ -31,6 +31,7 @@ CHOICES = {
     "model.rope_scaling.type": SCALINGS,
     "model.param_dtype": PARAM_DTYPES,
     "model.router_score": ROUTER_SCORES,
+    "model.router_aux_loss_scope": AUX_LOSS_SCOPES,
     "model.expert_mlp": EXPERT_MLPS,
     "compute.dtype": COMPUTE_DTYPES,
     "optimizer.mu_dtype": MU_DTYPES,
