@@ -27,6 +27,7 @@ from models.hf.rope import rope_from_hf
 from models.hf.spec import (
     Family,
     Tensor,
+    aux_loss_coef,
     check_required,
     check_unquantized,
     dense_layers,
@@ -224,16 +225,11 @@ def v2_config_to_hf(config: ModelConfig) -> dict:
             f"{V2_ARCHITECTURE}: model.router_score={config.router_score!r}, model.norm_topk_prob="
             f"{config.norm_topk_prob}; DeepSeek-V2 routes with 'softmax' and norm_topk_prob false"
         )
-    if config.router_aux_loss_coef and config.router_aux_loss_scope == "pooled":
-        raise ValueError(
-            f"{V2_ARCHITECTURE}: model.router_aux_loss_scope='pooled'; DeepSeek-V2's aux_loss_alpha balances each "
-            f"layer over its sequences (seq_aux) or its batch: set model.router_aux_loss_scope to sequence or layer"
-        )
     topk_method = "group_limited_greedy" if config.n_group > 1 else "greedy"
     return {
         **_hf_config(config, V2_ARCHITECTURE, "deepseek_v2"),
         "topk_method": topk_method,
-        "aux_loss_alpha": config.router_aux_loss_coef,
+        "aux_loss_alpha": aux_loss_coef(config, V2_ARCHITECTURE, ("sequence", "layer")),
         "seq_aux": config.router_aux_loss_scope != "layer",
         **V2_REQUIRED,
         **V2_DEEPSEEK_REQUIRED,

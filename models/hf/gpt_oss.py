@@ -19,9 +19,9 @@ from models.hf.spec import (
     Family,
     Placement,
     Tensor,
+    aux_loss_coef,
     check_fields,
     placements,
-    pooled_aux_loss_coef,
     transpose,
 )
 from models.hf.window import window_from_hf
@@ -127,7 +127,7 @@ def config_to_hf(config: ModelConfig) -> dict:
         "num_experts_per_tok": config.experts_per_token,
         "swiglu_alpha": config.swiglu_alpha,
         "swiglu_limit": config.swiglu_limit,
-        "router_aux_loss_coef": pooled_aux_loss_coef(config, GPT_OSS),
+        "router_aux_loss_coef": aux_loss_coef(config, GPT_OSS),
         "sliding_window": config.sliding_window or None,
         "layer_types": list(config.layer_kinds),
     }

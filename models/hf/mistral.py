@@ -13,7 +13,7 @@ import functools
 
 from models.config import ModelConfig
 from models.hf import gqa
-from models.hf.spec import Family, Tensor, check_fields, pooled_aux_loss_coef
+from models.hf.spec import Family, Tensor, aux_loss_coef, check_fields
 from models.hf.window import every_layer_window, window_from_hf
 
 MISTRAL, MIXTRAL = "MistralForCausalLM", "MixtralForCausalLM"
@@ -83,7 +83,7 @@ def mixtral_config_to_hf(config: ModelConfig) -> dict:
         "intermediate_size": config.moe_mlp_dim,
         "num_local_experts": config.num_experts,
         "num_experts_per_tok": config.experts_per_token,
-        "router_aux_loss_coef": pooled_aux_loss_coef(config, MIXTRAL),
+        "router_aux_loss_coef": aux_loss_coef(config, MIXTRAL),
     }
 
 

@@ -14,7 +14,7 @@ import functools
 
 from models.config import ModelConfig
 from models.hf import gqa
-from models.hf.spec import Family, Tensor, check_fields, pooled_aux_loss_coef
+from models.hf.spec import Family, Tensor, aux_loss_coef, check_fields
 from models.hf.window import every_layer_window, switched_window_to_hf, switched_windowed_layers, window_from_hf
 
 QWEN2, QWEN3, QWEN3_MOE = "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"
@@ -129,7 +129,7 @@ def qwen3_moe_config_to_hf(config: ModelConfig) -> dict:
         "norm_topk_prob": config.norm_topk_prob,
         "decoder_sparse_step": 1,
         "mlp_only_layers": list(range(config.num_dense_layers)),
-        "router_aux_loss_coef": pooled_aux_loss_coef(config, QWEN3_MOE),
+        "router_aux_loss_coef": aux_loss_coef(config, QWEN3_MOE),
     }
 
 

@@ -18,10 +18,10 @@ from models.hf.spec import (
     Nesting,
     Placement,
     Tensor,
+    aux_loss_coef,
     check_fields,
     never,
     placements,
-    pooled_aux_loss_coef,
     transpose,
 )
 
@@ -63,7 +63,7 @@ def expert_keys(config: ModelConfig, architecture: str) -> dict:
         "num_experts_per_tok": config.experts_per_token,
         "moe_intermediate_size": config.moe_mlp_dim,
         "shared_expert_intermediate_size": config.shared_expert_mlp_dim or config.moe_mlp_dim,
-        "router_aux_loss_coef": pooled_aux_loss_coef(config, architecture),
+        "router_aux_loss_coef": aux_loss_coef(config, architecture),
     }
 
 

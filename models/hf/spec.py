@@ -46,11 +46,17 @@ def check_fields(config: ModelConfig, required: dict, architecture: str) -> None
             )
 
 
-def pooled_aux_loss_coef(config: ModelConfig, architecture: str) -> float:
-    """config.json's router_aux_loss_coef: the weight of transformers' pooled load-balancing loss; ValueError when
-    `config` weighs a loss over other tokens (model.router_aux_loss_scope), which `architecture` cannot hold."""
-    if config.router_aux_loss_coef:
-        check_fields(config, {"router_aux_loss_scope": "pooled"}, architecture)
+def aux_loss_coef(config: ModelConfig, architecture: str, scopes: tuple[str, ...] = ("pooled",)) -> float:
+    """config.json's weight of the load-balancing loss, which `architecture` computes over the tokens of one of
+    `scopes` (model.router_aux_loss_scope; transformers' families pool them); ValueError when `config` weighs a loss
+    over other tokens."""
+    scope = config.router_aux_loss_scope
+    if config.router_aux_loss_coef and scope not in scopes:
+        raise ValueError(
+            f"{architecture} cannot hold model.router_aux_loss_scope={scope!r} with model.router_aux_loss_coef="
+            f"{config.router_aux_loss_coef}; its load-balancing loss is over {' or '.join(scopes)}: set "
+            f"model.router_aux_loss_scope to that"
+        )
     return config.router_aux_loss_coef
 
 

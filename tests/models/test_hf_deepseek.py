@@ -8,6 +8,7 @@ config.json imported; V2's group-limited routing round-trips through config.json
 import dataclasses
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Atten
 import models
 from models.hf import load_pretrained, save_pretrained
 from models.hf.deepseek import config_from_hf, v2_config_from_hf, v2_config_to_hf
+from models.hf.spec import aux_loss_coef
 from tests.layers.aux_loss_reference import deepseek_aux_loss
 from tests.models.hf_reference import hf_logits, hf_tensors, our_logits, tokens
 from train import hf as cli
@@ -259,8 +261,12 @@ def test_v2_load_balancing_loss_over_the_batch_round_trips():
     assert (config.router_aux_loss_coef, config.router_aux_loss_scope) == (0.001, "layer")
     assert v2_config_to_hf(config)["seq_aux"] is False
     pooled = dataclasses.replace(config, router_aux_loss_scope="pooled")
-    with pytest.raises(ValueError, match="router_aux_loss_scope='pooled'; DeepSeek-V2's aux_loss_alpha balances"):
+    refused = "cannot hold model.router_aux_loss_scope='pooled' with model.router_aux_loss_coef=0.001; its "
+    with pytest.raises(ValueError, match=re.escape(refused + "load-balancing loss is over sequence or layer")):
         v2_config_to_hf(pooled)
+    mixtral = "MixtralForCausalLM cannot hold model.router_aux_loss_scope='layer'"
+    with pytest.raises(ValueError, match=re.escape(mixtral)):
+        aux_loss_coef(config, "MixtralForCausalLM")  # transformers' families pool every layer's tokens
 
 
 @pytest.mark.parametrize(
