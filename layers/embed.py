@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import parallel
 from layers.params import logical_param
 
 # Output kernel: truncated normal with standard deviation 1 / sqrt(embed_dim) (fan_in = first axis).
@@ -31,8 +32,8 @@ class Embed(nnx.Module):
         self.embedding = logical_param(init(rngs.params(), (vocab_size, embed_dim), param_dtype), ("vocab", "embed"))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        """tokens: [batch, length] int -> [batch, length, embed] in `dtype`."""
-        embedded = jnp.take(self.embedding[...], tokens, axis=0).astype(self.dtype)
+        """tokens: [batch, length] int -> [batch, length, embed] in `dtype` (the residual stream's layout)."""
+        embedded = parallel.lookup(self.embedding[...], tokens, self.dtype)
         return embedded if self.scale == 1.0 else embedded * jnp.asarray(self.scale, self.dtype)
 
     def as_output_kernel(self) -> jax.Array:

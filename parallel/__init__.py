@@ -1,7 +1,8 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
-tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.attention`,
-`parallel.shard` (logical names), `parallel.residual`, `parallel.gather`, `parallel.project_scatter`,
-`parallel.routed_experts` and, for Gated DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
+tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.lookup` (the
+embedding), `parallel.attention`, `parallel.shard` (logical names), `parallel.residual`, `parallel.gather`,
+`parallel.project_scatter`, `parallel.routed_experts` and, for Gated DeltaNet, `parallel.causal_conv` and
+`parallel.gated_delta` only.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import jax
 
 from parallel import compat  # noqa: F401  first of the package: refuses a JAX outside the supported range
 from parallel.experts import routed_experts
+from parallel.lookup import lookup
 from parallel.mesh import logical_spec
 from parallel.plan import current_plan
 from parallel.recurrent import causal_conv, gated_delta
@@ -24,6 +26,7 @@ __all__ = [
     "causal_conv",
     "gated_delta",
     "gather",
+    "lookup",
     "project_scatter",
     "residual",
     "routed_experts",

@@ -39,9 +39,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from parallel.mesh import logical_spec
+from parallel.mesh import logical_spec, spec_axes
 from parallel.plan import current_plan
-from parallel.tensor import residual_spec
+from parallel.tensor import token_layout
 
 DISPATCHES = ("capacity", "ragged")
 # (tokens [n, embed], *params) -> (weights [n, k], experts [n, k], router probabilities [n, experts])
@@ -51,7 +51,7 @@ Ffn = Callable[..., jax.Array]  # (rows, *matrices, group_sizes=None) -> rows, s
 
 def expert_axes(mesh, num_experts: int) -> tuple[str, ...]:
     """The expert-parallel mesh axes: those the `experts` dimension of an expert kernel is sharded over."""
-    return _axes(logical_spec(("experts",), mesh, (num_experts,))[0])
+    return spec_axes(logical_spec(("experts",), mesh, (num_experts,))[0])
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
@@ -86,7 +86,7 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
     plan = current_plan()
     if plan.expert_dispatch not in DISPATCHES:
         raise ValueError(f"expert dispatch {plan.expert_dispatch!r} is unknown; available: {', '.join(DISPATCHES)}")
-    layout = _token_layout(mesh, x.shape)
+    layout = token_layout(mesh, x.shape)
     if layout is None:  # one device, or a shape that does not split (e.g. a sampled prompt): placed by the partitioner
         routed = _routed(route, route_params, lambda t, a: _dropless(t, a, ffn, matrices, num_experts), num_experts)
         return Routed(*_chunked(x, plan.expert_chunk, routed))
@@ -94,7 +94,7 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
     shares = math.prod(mesh.shape[a] for a in replicated)
     axes = expert_axes(mesh, num_experts)
     dispatch = {"capacity": _capacity, "ragged": _ragged}[plan.expert_dispatch]
-    out_spec = PartitionSpec(spec[0], (*_axes(spec[1]), *replicated) or None, *spec[2:])  # the copies, split
+    out_spec = PartitionSpec(spec[0], (*spec_axes(spec[1]), *replicated) or None, *spec[2:])  # the copies, split
 
     def local(x, route_params, matrices):
         if replicated:  # each copy takes its share of the length; the partitioner gathers the outputs
@@ -109,7 +109,7 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
         y, counts, dropped, probabilities = _chunked(
             x, plan.expert_chunk, _routed(route, route_params, dispatched, num_experts)
         )
-        row_axes = _axes(spec[1]) + replicated  # the axes holding pieces of one row
+        row_axes = spec_axes(spec[1]) + replicated  # the axes holding pieces of one row
         counts, probabilities = jax.lax.psum((counts, probabilities), row_axes)
         return Routed(y, counts, jax.lax.psum(dropped, token_axes + replicated), probabilities)
 
@@ -119,25 +119,6 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
         local, mesh=mesh, in_specs=specs, check_vma=True, out_specs=Routed(out_spec, rows, PartitionSpec(), rows)
     )(x, tuple(route_params), tuple(matrices))
     return routed._replace(y=jax.lax.with_sharding_constraint(routed.y, spec))
-
-
-def _token_layout(mesh, shape):
-    """(residual stream spec, mesh axes that split the tokens, mesh axes that hold copies of them) for x [batch,
-    length, embed] of `shape` on a mesh of several devices, when its batch splits over the batch axes and its length
-    over the length axes and the copies; else None."""
-    if mesh.empty or mesh.size == 1:
-        return None
-    spec = residual_spec()
-    token_axes = tuple(a for entry in spec for a in _axes(entry))
-    replicated = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in token_axes)
-    batch_parts = math.prod(mesh.shape[a] for a in _axes(spec[0]))
-    length_parts = math.prod(mesh.shape[a] for a in _axes(spec[1]) + replicated)
-    return None if shape[0] % batch_parts or shape[1] % length_parts else (spec, token_axes, replicated)
-
-
-def _axes(entry) -> tuple[str, ...]:
-    """Mesh axes of one PartitionSpec entry."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _routed(route: Route, route_params, dispatch, num_experts: int):

@@ -90,6 +90,11 @@ def logical_spec(names, mesh: Mesh | None = None, shape: tuple[int, ...] | None 
     return PartitionSpec(*spec)
 
 
+def spec_axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, an axis name or a tuple of them)."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def state_shardings(state, mesh: Mesh):
     """NamedSharding for every variable of an nnx state, from its `out_sharding` logical names (a mesh axis that
     does not divide a dimension is left out for it)."""

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from parallel.mesh import logical_spec
+from parallel.mesh import logical_spec, spec_axes
 from parallel.plan import current_plan
 
 AXIS = "tensor"
@@ -43,7 +43,7 @@ def token_specs(ndim: int) -> tuple[PartitionSpec, PartitionSpec]:
     """(scattered [batch, length, ...], gathered with a leading group axis [group, batch, length, ...]) specs."""
     mesh = jax.sharding.get_abstract_mesh()
     batch, length = logical_spec(("batch", "length"), mesh)
-    length = () if length is None else ((length,) if isinstance(length, str) else tuple(length))
+    length = spec_axes(length)
     rest = (None,) * (ndim - 2)
     return PartitionSpec(batch, (*length, AXIS), *rest), PartitionSpec(AXIS, batch, length or None, *rest)
 
@@ -114,6 +114,20 @@ def residual_spec() -> PartitionSpec:
     if scatter_shards() > 1:
         return token_specs(3)[0]
     return logical_spec(("batch", "length", "embed"), jax.sharding.get_abstract_mesh())
+
+
+def token_layout(mesh, shape: tuple[int, ...]):
+    """(residual stream spec, mesh axes that split the tokens, mesh axes that hold copies of them) for x [batch,
+    length, embed] of `shape` on a mesh of several devices, when its batch splits over the batch axes and its length
+    over the length axes and the copies; else None."""
+    if mesh.empty or mesh.size == 1:
+        return None
+    spec = residual_spec()
+    token_axes = tuple(a for entry in spec for a in spec_axes(entry))
+    replicated = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1 and a not in token_axes)
+    batch_parts = math.prod(mesh.shape[a] for a in spec_axes(spec[0]))
+    length_parts = math.prod(mesh.shape[a] for a in spec_axes(spec[1]) + replicated)
+    return None if shape[0] % batch_parts or shape[1] % length_parts else (spec, token_axes, replicated)
 
 
 def residual(x: jax.Array) -> jax.Array:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import jax
 from jax.sharding import PartitionSpec
 
-from parallel.mesh import logical_spec
+from parallel.mesh import logical_spec, spec_axes
 from parallel.tensor import AXIS as TENSOR
 
 
@@ -21,7 +21,7 @@ def _token_spec(mesh, shape: tuple[int, ...]) -> PartitionSpec:
     """[batch, length, ...] split over every mesh axis that divides it: batch over the batch axes, length over the
     length axes and then `tensor` (whose devices hold the same tokens and would otherwise repeat the work)."""
     batch, length = logical_spec(("batch", "length"), mesh, shape[:2])
-    length = () if length is None else ((length,) if isinstance(length, str) else tuple(length))
+    length = spec_axes(length)
     pieces = shape[1] // math.prod(mesh.shape[axis] for axis in length)
     if mesh.shape.get(TENSOR, 1) > 1 and pieces % mesh.shape[TENSOR] == 0:
         length = (*length, TENSOR)

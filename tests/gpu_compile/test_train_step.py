@@ -8,7 +8,8 @@ the ring; their other cases, and every Qwen3.5-MoE case, are slow (the GPU compi
 stack compiles the tiny Llama under the ring (every kernel) and under usp with cuDNN (every collective pattern); the
 newest stack, which GPU machines run, also its usp with the others, and its none, all_gather and ulysses with cuDNN
 (which compiles the Pallas fallback too; their blockwise and Pallas cases are slow), and the other models' cases
-above.
+above. No case may leave the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs
+"Involuntary full rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -63,6 +64,7 @@ EXPERT_MODELS = ("deepseek", "qwen3_5_moe")
 QWEN3_5 = (("ring", "cudnn"),)  # the tiny Qwen3.5's case that runs by default
 # the custom calls that show a kernel in the compiled program
 CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": "__gpu$xla.gpu.triton"}
+INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
 
 
 def overrides(model: str, strategy: str, kernel: str) -> list[str]:
@@ -109,9 +111,10 @@ def cases() -> list:
 
 
 @pytest.mark.parametrize("model, strategy, kernel", cases())
-def test_train_step_compiles_for_h100(model, strategy, kernel):
+def test_train_step_compiles_for_h100(model, strategy, kernel, capfd):
     config = load_config(REPO / MODELS[model][0], overrides(model, strategy, kernel))
     plan = plan_memory(config, targets.compile_only_devices("h100", 8))
+    assert INVOLUNTARY not in capfd.readouterr().err
     assert (plan.platform, plan.devices, plan.attention_kernel) == ("gpu", 8, kernel)
     dense = model not in EXPERT_MODELS
     assert plan.expert_dispatch == ("none" if dense else "capacity" if kernel == "blockwise" else "ragged")
@@ -121,3 +124,15 @@ def test_train_step_compiles_for_h100(model, strategy, kernel):
         wanted = name == kernel or kernel == "cudnn"
         assert (call in text) == wanted, f"{call} {'missing from' if wanted else 'in'} the {kernel} program"
     assert 0 < plan.total < 2**30
+
+
+@pytest.mark.parametrize("strategy", ["all_gather", pytest.param("ulysses", marks=pytest.mark.slow)])
+def test_parameters_split_over_fsdp_and_context_are_not_replicated(strategy, capfd):
+    """The embedding table split on embed over fsdp x context: a plain `take` left its rows in the table's sharding,
+    which the partitioner could only replicate to reach the residual stream's (forward and backward)."""
+    mesh = ["mesh.fsdp=2", "mesh.context=4", f"parallel.context_strategy={strategy}"]
+    config = load_config(
+        REPO / "configs/tiny.yaml", ["model.num_layers=1", *mesh, "parallel.attention_kernel=blockwise"]
+    )
+    plan_memory(config, targets.compile_only_devices("h100", 8))
+    assert INVOLUNTARY not in capfd.readouterr().err
