@@ -37,6 +37,12 @@ the public wrapper, whose VJP drops the softmax statistics' cotangent. What the 
 - Sliding windows: the primitive's window counts positions within a segment of the packed layout, which is the
   global window only on the diagonal of an unsplit document; a ring step or a load-balanced chunk is neither, so
   every windowed call runs the general kernel.
+- Residuals under remat: a call inside a rematerialised layer scan (a ring step's, say) is partially evaluated by
+  JAX, which computes early what it can: a constant, or anything derived from the segment ids alone (the same for
+  every layer), becomes a residual of the call's switch, stacked per ring step and kept through the backward pass.
+  At full size (the token masks broadcast to the output, the zeros a branch returns) that was 12 GiB a device for
+  DeepSeek-V3 at 128K on 16 context devices. So the ids pass through an optimization barrier with q (`_tied`) and
+  every full-size constant is derived from an operand (`_full`, `_where`): recomputed with the layer instead.
 - Unused operands: the binds take a bias and two page tables this module never uses (no bias in variadic_args, and
   paging only for rank-4 tables), so their lowering drops them. They are one element, not zero (JAX's own wrapper
   passes zero-element arrays): JAX's partial evaluation can turn them into operands of the strategy's shard_map
@@ -240,12 +246,12 @@ def metadata(q_seg, kv_seg, max_segments: int) -> Metadata:
 def lse_from_stats(stats, meta: Metadata):
     """stats [batch * m, heads, tq] float32 -> lse [batch, tq, heads], -inf for tokens in no segment."""
     lse = stats[jnp.minimum(meta.q_row, stats.shape[0] - 1), :, meta.q_pos]
-    return jnp.where(meta.q_valid[..., None], lse, -jnp.inf)
+    return _where(meta.q_valid[..., None], lse, -jnp.inf)
 
 
 def stats_from_lse(lse, meta: Metadata, rows: int):
     """lse [batch, tq, heads] -> stats [rows, heads, tq] float32 (zeros where no token maps)."""
-    stats = jnp.zeros((rows, lse.shape[2], lse.shape[1]), jnp.float32)
+    stats = _full(lse, (rows, lse.shape[2], lse.shape[1]), 0, jnp.float32)
     return stats.at[meta.q_row, :, meta.q_pos].set(lse.astype(jnp.float32), mode="drop")
 
 
@@ -293,14 +299,31 @@ def _switch(kind, q: Tokens, kv: Tokens, causal: bool, max_segments: int, by_kin
     return lax.switch(position, [by_kind[k] for k in kinds], *operands)
 
 
+def _tied(q, *segment_ids):
+    """(q, *segment_ids) through one optimization barrier: what derives from the ids alone (metadata, token masks
+    broadcast to q's size) then derives from q too, so it is recomputed with the layer (module docstring)."""
+    return lax.optimization_barrier((q, *segment_ids))
+
+
+def _full(anchor, shape, value, dtype):
+    """jnp.full(shape, value, dtype) derived from the operand `anchor`, so it is recomputed where it is used rather
+    than kept as a residual of the call's switch (module docstring)."""
+    return jnp.broadcast_to(lax.optimization_barrier((anchor, jnp.asarray(value, dtype)))[1], shape)
+
+
+def _where(valid, x, value):
+    """x where `valid` (broadcast), else `value`, the fill derived from x (see _full)."""
+    return jnp.where(valid, x, _full(x, (), value, x.dtype))
+
+
 def _nothing_visible(q, k, v, *rest):
     """A quarter with no visible key: (out zeros [b, tq, h, dv] in q's dtype, lse -inf [b, tq, h])."""
-    return jnp.zeros((*q.shape[:3], v.shape[-1]), q.dtype), jnp.full(q.shape[:3], -jnp.inf, jnp.float32)
+    return _full(q, (*q.shape[:3], v.shape[-1]), 0, q.dtype), _full(q, q.shape[:3], -jnp.inf, jnp.float32)
 
 
 def _no_gradients(q, k, v, *rest):
     """A quarter with no visible key: float32 zeros like q, k, v."""
-    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
+    return tuple(_full(x, x.shape, 0, jnp.float32) for x in (q, k, v))
 
 
 def _params(kind: int, scale: float) -> dict:
@@ -351,7 +374,7 @@ def _served_forward(kind, q, k, v, q_seg, kv_seg, *, scale, max_segments, primit
         qp, kp, vp, unused, meta.q_seqlen, meta.kv_seqlen, meta.q_offsets, meta.kv_offsets, unused, unused,
         **_params(kind, scale), is_training=True,
     )  # fmt: skip
-    out = jnp.where(meta.q_valid[..., None, None], out[..., :dv], 0).astype(q.dtype)
+    out = _where(meta.q_valid[..., None, None], out[..., :dv], 0).astype(q.dtype)
     return out, lse_from_stats(stats, meta)
 
 
@@ -364,11 +387,11 @@ def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scal
     qp, kp, vp = _operands(q, k, v, width)
     out, dout = _pad_last(out.astype(q.dtype), width), _pad_last(dout.astype(q.dtype), width)
     if dlse is not None:
-        dlse = jnp.where(meta.q_valid[..., None], dlse, 0.0)
+        dlse = _where(meta.q_valid[..., None], dlse, 0)
         hi = dlse.astype(q.dtype)
         lo = (dlse.astype(jnp.float32) - hi.astype(jnp.float32)).astype(q.dtype)
         out = out.at[..., dv].set(-hi).at[..., dv + 1].set(-lo)
-        dout = dout.at[..., dv : dv + 2].set(1)
+        dout = dout.at[..., dv : dv + 2].set(_full(dout, (), 1, dout.dtype))
     stats = stats_from_lse(lse, meta, batch * max_segments)
     unused = _unused(q.dtype)
     dq, dk, dv_ = primitives.backward(
@@ -379,9 +402,9 @@ def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scal
     def grouped(x, d):
         """[b, tk, heads, width] -> float32 [b, tk, kv_heads, d] summed over each group, zero outside segments."""
         x = x[..., :d].astype(jnp.float32).reshape(batch, tk, kv_heads, heads // kv_heads, d).sum(3)
-        return jnp.where(meta.kv_valid[..., None, None], x, 0.0)
+        return _where(meta.kv_valid[..., None, None], x, 0)
 
-    dq = jnp.where(meta.q_valid[..., None, None], dq[..., :dqk].astype(jnp.float32), 0.0)
+    dq = _where(meta.q_valid[..., None, None], dq[..., :dqk].astype(jnp.float32), 0)
     return dq, grouped(dk, dqk), grouped(dv_, dv)
 
 
@@ -412,8 +435,8 @@ def forward(
         visible = quarters(q_tokens.index, kv_tokens.index)[1]
         outs, lses = [], []
         for i, qs in enumerate(_halves(q.shape[1])):
-            out = jnp.zeros((*q[:, qs].shape[:3], v.shape[-1]), jnp.float32)
-            lse = jnp.full(out.shape[:3], -jnp.inf, jnp.float32)
+            out = _full(q, (*q[:, qs].shape[:3], v.shape[-1]), 0, jnp.float32)
+            lse = _full(q, out.shape[:3], -jnp.inf, jnp.float32)
             for j, ks in enumerate(_halves(k.shape[1])):
                 quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks])
                 part = _cond(visible[i, j], functools.partial(served, ALL_VISIBLE), _nothing_visible, *quarter)
@@ -424,7 +447,7 @@ def forward(
 
     by_kind = {DIAGONAL: functools.partial(served, DIAGONAL), ALL_VISIBLE: functools.partial(served, ALL_VISIBLE)}
     by_kind |= {GENERAL: general_call, HALVES: halves}
-    segment_ids = (q_tokens.segment_ids, kv_tokens.segment_ids)
+    q, *segment_ids = _tied(q, q_tokens.segment_ids, kv_tokens.segment_ids)
     out, lse = _switch(kind, q_tokens, kv_tokens, options.causal, max_segments, by_kind, q, k, v, *segment_ids)
     return out.astype(out_dtype or q.dtype), lse
 
@@ -457,7 +480,7 @@ def backward(
     def halves(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
         """The all-visible quarters' float32 (dq, dk, dv), each from the call's final out / lse."""
         visible = quarters(q_tokens.index, kv_tokens.index)[1]
-        grads = [jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)]
+        grads = [_full(x, x.shape, 0, jnp.float32) for x in (q, k, v)]
         for i, qs in enumerate(_halves(q.shape[1])):
             for j, ks in enumerate(_halves(k.shape[1])):
                 quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks], out[:, qs], lse[:, qs])
@@ -467,7 +490,8 @@ def backward(
         return tuple(grads)
 
     by_kind = {DIAGONAL: kind_of(DIAGONAL), ALL_VISIBLE: kind_of(ALL_VISIBLE), GENERAL: general_call, HALVES: halves}
-    operands = (q, k, v, q_tokens.segment_ids, kv_tokens.segment_ids, out, lse, dout, dlse)
+    q, *segment_ids = _tied(q, q_tokens.segment_ids, kv_tokens.segment_ids)
+    operands = (q, k, v, *segment_ids, out, lse, dout, dlse)
     grads = _switch(kind, q_tokens, kv_tokens, options.causal, max_segments, by_kind, *operands)
     if accumulate is not None:
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))

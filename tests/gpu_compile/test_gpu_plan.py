@@ -1,7 +1,7 @@
 """`python -m train CONFIG --plan --target h100|h200 --devices N`: the plan is the GPU compiler's buffer assignment
 of the step a GPU run compiles; the fit verdict uses the memory a run lets XLA take; bad targets and device counts
 are named before anything compiles; and (slow) each 128K recipe fits its GPUs with each attention kernel, with no
-reshard the partitioner can only do by replicating a tensor."""
+reshard the partitioner can only do by replicating a tensor, and with cuDNN in at most 5% more than blockwise."""
 
 import contextlib
 import io
@@ -126,7 +126,6 @@ def test_bad_target_requests_are_named_before_compiling(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kernel", ["blockwise", "pallas", "cudnn"])
 @pytest.mark.parametrize(
     "recipe, devices",
     [
@@ -139,10 +138,15 @@ def test_bad_target_requests_are_named_before_compiling(monkeypatch, capsys):
         ("finetune-128k-qwen3.5-35b-a3b", 16),
     ],
 )
-def test_128k_recipe_fits_h100(recipe, devices, kernel, capfd):
-    config = REPO / "configs" / f"{recipe}.yaml"
-    argv = [str(config), f"parallel.attention_kernel={kernel}", "--plan", "--target", "h100", "--devices", str(devices)]
-    status, text, plan = plan_from_cli(argv)
-    assert status == 0 and "fits" in text, text
-    assert plan.attention_kernel == kernel
-    assert INVOLUNTARY not in capfd.readouterr().err
+def test_128k_recipe_fits_h100_with_every_kernel(recipe, devices, capfd):
+    """Each kernel's plan fits, with no reshard the partitioner can only do by replicating a tensor, and cuDNN's
+    plan is within 5% of the blockwise kernel's."""
+    totals = {}
+    for kernel in ("blockwise", "pallas", "cudnn"):
+        argv = [str(REPO / "configs" / f"{recipe}.yaml"), f"parallel.attention_kernel={kernel}", "--plan"]
+        status, text, plan = plan_from_cli([*argv, "--target", "h100", "--devices", str(devices)])
+        assert status == 0 and "fits" in text, text
+        assert plan.attention_kernel == kernel
+        assert INVOLUNTARY not in capfd.readouterr().err, kernel
+        totals[kernel] = plan.total
+    assert totals["cudnn"] <= 1.05 * totals["blockwise"], totals

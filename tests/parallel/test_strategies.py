@@ -2,6 +2,8 @@
 {causal, full} x {MHA, GQA, MLA head dims} in one compile per (strategy, shards), run on packed rows with padding
 (one row all padding) and on unpacked rows; balanced (dual_chunk) order; contiguous and striped separately."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,3 +185,29 @@ def test_ring_sends_dkv_in_the_compute_dtype():
     for name, got, want in zip("qkv", results["compute"], results["float32"], strict=True):
         assert got.dtype == jnp.bfloat16
         assert relative_error(got.astype(jnp.float32), want.astype(jnp.float32)) < 2e-2, f"d{name}"
+
+
+def test_ring_under_cudnn_in_a_rematerialised_layer_scan_keeps_nothing_per_step(monkeypatch):
+    """Attention in a scan of layers, each rematerialised with nothing saved (compute.remat_policy=full): the grad's
+    lowered program stacks nothing of the ring's steps at the size of a piece's heads (cuDNN's token masks and the
+    constants its branches return were kept per step and per layer, hoisted out of the layer scan by JAX)."""
+    serve_cudnn_with_standin(monkeypatch)
+    shards, (heads, _, dqk, dv) = 8, HEADS["mla"]
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
+    q, k, v, _ = inputs("mla", seed=0)
+    seg = jnp.asarray(packed_segments(BATCH, LENGTH, seed=1))
+
+    def loss(q, k, v):
+        def layer(x, _):
+            attend = lambda x: parallel.attention(x, x * k, x[..., :dv] * v, segment_ids=seg, strategy="ring")
+            out = jax.checkpoint(attend, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False)(x)
+            return x + jnp.pad(out, [(0, 0)] * 3 + [(0, dqk - dv)]), None
+
+        return jnp.sum(jax.lax.scan(layer, q, None, length=2)[0])
+
+    plan = Plan(block_q=8, block_kv=8, kernel="cudnn", layout="dual_chunk")
+    with jax.set_mesh(mesh), use_plan(plan):
+        program = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
+    steps = shards - 2  # the ring's scan: the first and the last step are peeled off
+    stacked = re.findall(rf"tensor<{steps}x{BATCH}x\d+x{heads}x\d+x\w+>", program)
+    assert not stacked, f"per-step residuals: {sorted(set(stacked))}"
