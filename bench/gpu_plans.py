@@ -1,9 +1,12 @@
 """The 128K recipes compiled for H100s with each attention kernel, and for simulated CPU devices: what XLA's GPU
 compiler assigns per device (no GPU needed: parallel/targets.py, the `gpu` extra), against the blockwise kernel's
-GPU plan and the CPU plan of the same step, in one run. A kernel that does not compile gets a row saying why.
+GPU plan and the CPU plan of the same step, in one run; for each GPU plan the speed estimate (train/speed.py: step
+seconds, tokens/s per GPU, MFU, the three largest costs) and how many reshards XLA's partitioner could only do by
+replicating a tensor ("involuntary", from its stderr). A kernel that does not compile gets a row saying why.
 
     PYTHONPATH=. python bench/gpu_plans.py                       # the RECIPES below, about 15 min on 2 cores
     PYTHONPATH=. python bench/gpu_plans.py --quick               # the 8B recipe only
+    PYTHONPATH=. python bench/gpu_plans.py --plans cudnn         # the default kernel's GPU plans only
     PYTHONPATH=. python bench/gpu_plans.py --recipes finetune-128k-deepseek-v3:128 --overrides mesh.fsdp=1
 """
 
@@ -28,6 +31,7 @@ RECIPES = (
 )
 KERNELS = ("blockwise", "pallas", "cudnn")
 GIB = 2**30
+INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
 # one plan per process: a CPU plan starts JAX with its own device count
 PLAN = """
 import sys
@@ -45,11 +49,17 @@ else:
     devices = targets.compile_only_devices(target, int(count))
 p = plan_memory(config, devices)
 print("PLAN", p.arguments, p.temporaries, p.total, f"{p.compile_seconds:.1f}", p.attention_kernel)
+if target != "cpu":
+    from train.speed import estimate_plan
+    e = estimate_plan(p, targets.target(target).rates)
+    top = ", ".join(f"{name} {share:.0%}" for name, share in e.top())
+    print(f"ESTIMATE {e.seconds:.3g}|{e.tokens_per_second_per_device:,.0f}|{e.mfu:.1%}|{top}")
 """
 
 
-def plan(recipe: str, target: str, count: int, overrides: list[str]) -> tuple[int, int, int, str, str] | str:
-    """(arguments, temporaries, total bytes, compile seconds, kernel) of one plan, or the error's last line."""
+def plan(recipe: str, target: str, count: int, overrides: list[str]) -> tuple | str:
+    """(arguments, temporaries, total bytes, compile seconds, kernel, estimate cells, involuntary reshards) of one
+    plan, or the error's last line."""
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
     default_environment(env)  # the XLA flags a run of python -m train compiles with (they change the schedule)
     done = subprocess.run(
@@ -60,7 +70,9 @@ def plan(recipe: str, target: str, count: int, overrides: list[str]) -> tuple[in
     if line is None:
         return (done.stderr.strip().splitlines() or ["no output"])[-1][:160]
     arguments, temporaries, total, seconds, kernel = line.split()[1:]
-    return int(arguments), int(temporaries), int(total), seconds, kernel
+    estimate = next((line[9:].split("|") for line in done.stdout.splitlines() if line.startswith("ESTIMATE ")), None)
+    cells = estimate or ["", "", "", ""]
+    return int(arguments), int(temporaries), int(total), seconds, kernel, cells, done.stderr.count(INVOLUNTARY)
 
 
 def main() -> None:
@@ -69,25 +81,30 @@ def main() -> None:
     parser.add_argument("--target", default="h100")
     parser.add_argument("--overrides", nargs="*", default=[], help="config overrides for every plan")
     parser.add_argument("--quick", action="store_true", help="the first recipe only")
+    parser.add_argument("--plans", default=",".join(("cpu", *KERNELS)), help="cpu and kernels to plan, comma-separated")
     args = parser.parse_args()
     if not targets.plugin_installed():
         skip(f"needs XLA's GPU compiler: {targets.GPU_INSTALL}")
     recipes = [entry.split(":") for entry in args.recipes.split(",")][: 1 if args.quick else None]
-    print("| recipe | devices | plan | arguments GiB | temporaries GiB | total GiB | compile s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    plans = args.plans.split(",")
+    print(
+        "| recipe | devices | plan | arguments GiB | temporaries GiB | total GiB | compile s | step s (estimate) | "
+        "tokens/s per GPU | MFU | largest costs | involuntary |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, count in recipes:
-        rows = {"cpu": plan(name, "cpu", int(count), args.overrides)}
-        for kernel in KERNELS:
+        rows = {"cpu": plan(name, "cpu", int(count), args.overrides)} if "cpu" in plans else {}
+        for kernel in (k for k in KERNELS if k in plans):
             rows[kernel] = plan(name, args.target, int(count), [*args.overrides, f"parallel.attention_kernel={kernel}"])
         for label, row in rows.items():
             where = "CPU compiler, blockwise" if label == "cpu" else f"{args.target}, {label}"
             if isinstance(row, str):
-                print(f"| {name} | {count} | {where} | does not compile: {row} | | | |")
+                print(f"| {name} | {count} | {where} | does not compile: {row} |" + " |" * 8)
                 continue
-            arguments, temporaries, total, seconds, _ = row
+            arguments, temporaries, total, seconds, _, estimate, involuntary = row
             print(f"| {name} | {count} | {where} | {arguments / GIB:.2f} | {temporaries / GIB:.2f} | "
-                  f"{total / GIB:.2f} | {seconds} |")  # fmt: skip
-        base = rows["blockwise"]
+                  f"{total / GIB:.2f} | {seconds} | {' | '.join(estimate)} | {involuntary} |")  # fmt: skip
+        base = rows.get("blockwise", "not planned")
         for label, row in rows.items():
             if label != "blockwise" and not isinstance(row, str) and not isinstance(base, str):
                 what = "CPU plan" if label == "cpu" else f"{args.target} plan, {label}"

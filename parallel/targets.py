@@ -25,11 +25,46 @@ SPECS = pathlib.Path(__file__).with_name("gpu_targets")
 
 
 @dataclasses.dataclass(frozen=True)
+class Rates:
+    """What one GPU of a target sustains, for the speed estimate (train/speed.py); measured on a GPU where
+    bench/README.md "On one GPU" has it (an H200, 2026-11-26), else from the data sheet as said.
+
+    matmul: FLOP/s of large bfloat16 matmuls. attention: FLOP/s of each fused attention kernel, forward + backward,
+    FLOPs counted once per visible (query, key) pair and a backward as 2.5 forwards (bench/gpu_attention.py's
+    count). memory: bytes/s read + written by memory-bound kernels. nvlink / network: bytes/s one GPU sends in a
+    collective within its host / to other hosts. kernel: seconds a kernel takes at the least (launch and tail).
+    collective: seconds a collective takes at the least (its latency)."""
+
+    matmul: float
+    attention: dict
+    memory: float
+    nvlink: float
+    network: float
+    kernel: float = 3e-6
+    collective: float = 15e-6
+
+
+# Measured on an H200: 708 TFLOP/s chained 8192^3 matmuls; 3.5-3.7 TB/s copies; cuDNN 240 and Pallas 110 TFLOP/s
+# (GQA 32/8 x 128 at 128K), blockwise 24. An H100 SXM is the same chip (132 SMs, same clocks) with 3.35 TB/s of
+# HBM against the H200's 4.8: the same compute rates, memory scaled by 3.35 / 4.8. NVLink 4: 450 GB/s a direction,
+# of which NCCL's collectives reach about 80%; between hosts 8 x 400 Gb/s InfiniBand, 50 GB/s a GPU, about 80% too.
+H200_RATES = Rates(
+    matmul=708e12,
+    attention={"cudnn": 240e12, "pallas": 110e12, "blockwise": 24e12},
+    memory=3.6e12,
+    nvlink=360e9,
+    network=40e9,
+)
+H100_RATES = dataclasses.replace(H200_RATES, memory=3.6e12 * 3.35 / 4.8)
+
+
+@dataclasses.dataclass(frozen=True)
 class Target:
-    """A GPU to compile for: `spec` the target config file in parallel/gpu_targets/."""
+    """A GPU to compile for: `spec` the target config file in parallel/gpu_targets/; `rates` what it sustains."""
 
     name: str
     spec: str
+    rates: Rates = dataclasses.field(hash=False, compare=False, default=H100_RATES)
 
     @property
     def config(self) -> str:
@@ -42,7 +77,7 @@ class Target:
         return int(re.search(r"device_memory_size: (\d+)", self.config).group(1))
 
 
-TARGETS = {"h100": Target("h100", "h100_sxm.txtpb"), "h200": Target("h200", "h200.txtpb")}
+TARGETS = {"h100": Target("h100", "h100_sxm.txtpb", H100_RATES), "h200": Target("h200", "h200.txtpb", H200_RATES)}
 
 
 class TargetError(ValueError):

@@ -23,6 +23,7 @@ from train import distributed, environment, library_log, peers
 from train.config import ConfigError, load_config, to_dict
 from train.errors import CheckpointError, DataError, NonFiniteLoss
 from train.memory import format_plan, format_size, parse_size, plan_memory
+from train.speed import estimate_plan, format_estimate
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
 
@@ -96,6 +97,8 @@ def plan(config, devices: int | None, memory: int | None, target: str | None = N
         plan_devices = jax.devices()[:count]
     result = plan_memory(config, plan_devices)
     print(format_plan(result, memory), flush=True)
+    if target is not None:
+        print(format_estimate(estimate_plan(result, spec.rates), spec.name), flush=True)
     return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 
 

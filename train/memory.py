@@ -82,6 +82,7 @@ class MemoryPlan:
     attention_kernel: str
     expert_dispatch: str
     config: Config  # as planned: compute.dtype resolved (for_accelerator)
+    hosts: tuple[int, ...]  # the process (host) of each partition of the compiled program
     compile_seconds: float
     compiled: jax.stages.Compiled = dataclasses.field(repr=False, compare=False)
 
@@ -181,6 +182,7 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
         attention_kernel=plan.kernel,
         expert_dispatch=plan.expert_dispatch if config.model.num_experts else "none",
         config=config,
+        hosts=tuple(d.process_index for d in mesh.devices.flat),
         compile_seconds=seconds,
         compiled=compiled,
     )

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parallel.kernels import blockwise, cudnn, pallas
+from parallel.kernels import blockwise, cudnn, pallas, visible
 from parallel.kernels import sinks as attention_sinks
 from parallel.kernels.arguments import Options, Tokens
 
@@ -58,22 +58,27 @@ def select(
                 f"choose pallas (GPU), blockwise or auto"
             )
         general = select(general_kernel("cudnn", backend), interpret=interpret, backend=backend)
-        forward = functools.partial(cudnn.forward, general=general.forward)
-        backward = functools.partial(cudnn.backward, general=general.backward)
-        return Kernel("cudnn", _or(forward, general.forward), _or(backward, general.backward))
+        forward = functools.partial(cudnn.forward, general=visible.fallback(general.forward))
+        backward = functools.partial(cudnn.backward, general=visible.fallback(general.backward))
+        return _named("cudnn", _or(forward, general.forward), _or(backward, general.backward))
     if backend != "gpu" and not interpret:
         raise ValueError(
             f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "
             f"(tests run it with interpret=True)"
         )
-    return Kernel(
+    return _named(
         "pallas",
         functools.partial(pallas.forward, interpret=interpret),
         functools.partial(pallas.backward, interpret=interpret),
     )
 
 
-BLOCKWISE = Kernel("blockwise", blockwise.forward, blockwise.backward)
+def _named(name: str, forward: Callable, backward: Callable) -> Kernel:
+    """The Kernel `name`, each call run in the scope naming it and its visible share (parallel/kernels/visible.py)."""
+    return Kernel(name, visible.named(name, forward), visible.named(name, backward))
+
+
+BLOCKWISE = _named("blockwise", blockwise.forward, blockwise.backward)
 
 
 def general_kernel(kernel: str, backend: str | None = None) -> str:

@@ -5,6 +5,8 @@ reshard the partitioner can only do by replicating a tensor, and with cuDNN in a
 
 import contextlib
 import io
+import math
+import re
 
 import jax
 import pytest
@@ -83,6 +85,9 @@ def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     usable = int(targets.TARGETS["h100"].memory * float(environment.GPU_MEMORY_FRACTION))
     assert f"device memory {cli.format_size(usable)}: fits" in text
     assert "gpu compiler's buffer assignment" in text and "cuDNN's workspace" in text
+    estimate = re.search(r"step ([0-9.e+-]+) s, ([0-9,]+) tokens/s per GPU, MFU ([0-9.]+)%", text)
+    assert estimate and 0 < float(estimate.group(1)) < math.inf and 0 < float(estimate.group(3)) < 100, text
+    assert "where the step goes: " in text
 
 
 @pytest.mark.newest_stack

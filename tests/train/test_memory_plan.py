@@ -119,6 +119,7 @@ def test_fits_verdict_at_the_boundary():
         attention_kernel="blockwise",
         expert_dispatch="none",
         config=load_config(TINY),
+        hosts=(0, 0),
         compile_seconds=1.0,
         compiled=None,
     )

@@ -1,0 +1,161 @@
+"""The speed estimate (train/speed.py) on hand-written scheduled programs whose FLOPs, bytes and collectives are
+known: each gives the time the rates imply, a collective hidden behind compute costs nothing while one waited for
+at once costs its transfer, loops, conditionals and the attention kernels' visible share count as documented."""
+
+import collections
+import math
+
+import numpy as np
+import pytest
+
+from parallel.kernels import visible
+from parallel.kernels.arguments import Options, Tokens
+from parallel.targets import H100_RATES
+from train import hlo, speed
+
+RATES = H100_RATES
+N = 8192
+GEMM_FLOPS = 2.0 * N**3
+GEMM = (
+    '(bf16[8192,8192]{1,0}, s8[0]{0}) custom-call(%a, %b), custom_call_target="__cublas$gemm", '
+    'backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],'
+    '"rhs_contracting_dimensions":["0"]}}}'
+)
+GATHER_START = "((bf16[1024,1024]{{1,0}}), bf16[8192,1024]{{1,0}}) all-gather-start(%x), replica_groups={groups}"
+GATHERED = 7 * 1024 * 1024 * 2  # bytes each device receives: 7 other shards of 2 MiB
+
+
+def program(entry: str, *computations: str, parameters: str = "") -> str:
+    """A scheduled module whose entry has the parameters a, b (bf16 [N, N]) and x (bf16 [1024, 1024])."""
+    head = (
+        "  %a = bf16[8192,8192]{1,0} parameter(0)\n  %b = bf16[8192,8192]{1,0} parameter(1)\n"
+        f"  %x = bf16[1024,1024]{{1,0}} parameter(2)\n{parameters}"
+    )
+    body = "\n".join(computations)
+    return (
+        f"HloModule test, is_scheduled=true, num_partitions=8\n\n{body}\nENTRY %main () -> () {{\n{head}{entry}\n}}\n"
+    )
+
+
+def cost(text: str, hosts=(0,) * 8) -> speed.Tally:
+    return speed.schedule_cost(text, RATES, list(hosts))
+
+
+def test_a_matmul_takes_its_flops_at_the_matmul_rate():
+    tally = cost(program(f"  ROOT %gemm = {GEMM}"))
+    assert tally.seconds == pytest.approx(GEMM_FLOPS / RATES.matmul)
+    assert tally.flops[speed.MATMULS] == GEMM_FLOPS and set(tally.parts) == {speed.MATMULS}
+
+
+def test_an_all_gather_behind_a_matmul_is_hidden_and_one_waited_for_is_not():
+    start = f"  %ag = {GATHER_START.format(groups='[1,8]<=[8]')}\n"
+    done = "  %agd = bf16[8192,1024]{1,0} all-gather-done(%ag)\n"
+    gemm = f"  %gemm = {GEMM}\n"
+    transfer = GATHERED / RATES.nvlink
+    hidden = cost(program(start + gemm + done))
+    assert hidden.seconds == pytest.approx(GEMM_FLOPS / RATES.matmul)
+    assert hidden.collectives["all-gather"] == pytest.approx(transfer) and hidden.parts["all-gather exposed"] == 0
+    waited = cost(program(start + done + gemm))
+    assert waited.seconds == pytest.approx(transfer + GEMM_FLOPS / RATES.matmul)
+    assert waited.parts["all-gather exposed"] == pytest.approx(transfer)
+
+
+def test_a_collective_between_hosts_runs_at_the_network_rate():
+    hosts = [0] * 8 + [1] * 8
+    within = cost(program(f"  %ag = {GATHER_START.format(groups='[2,8]<=[16]')}"), hosts)
+    across = cost(program(f"  %ag = {GATHER_START.format(groups='[8,2]<=[2,8]T(1,0)')}"), hosts)
+    assert within.collectives["all-gather"] == pytest.approx(GATHERED / RATES.nvlink)
+    assert across.collectives["all-gather"] == pytest.approx(1024 * 1024 * 2 / RATES.network)  # one other shard
+
+
+@pytest.mark.parametrize(
+    "groups, expected",
+    [
+        ("{{0,1},{2,3}}", [[0, 1], [2, 3]]),
+        ("[2,2]<=[4]", [[0, 1], [2, 3]]),
+        ("[2,2]<=[2,2]T(1,0)", [[0, 2], [1, 3]]),
+        ("mesh['x'=2,'y'=2] {'x'}", [[0, 2], [1, 3]]),
+        ("mesh['x'=2,'y'=2] {'x','y'}", [[0, 1, 2, 3]]),
+        ("{}", [[0, 1, 2, 3]]),
+    ],
+)
+def test_replica_groups_in_every_form(groups, expected):
+    instruction = hlo.parse_instruction(f"  %ag = {GATHER_START.format(groups=groups)}, dimensions={{0}}")
+    assert speed.replica_groups(instruction, 4) == expected
+
+
+def test_a_loop_costs_its_body_times_its_trips_and_a_conditional_its_costliest_usual_branch():
+    body = (
+        "%body (p: (bf16[8192,8192], bf16[8192,8192])) -> (bf16[8192,8192], bf16[8192,8192]) {\n"
+        "  %p = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)\n"
+        "  %a = bf16[8192,8192]{1,0} get-tuple-element(%p), index=0\n"
+        "  %b = bf16[8192,8192]{1,0} get-tuple-element(%p), index=1\n"
+        f"  ROOT %gemm = {GEMM}\n}}\n"
+    )
+    cheap = "%cheap (p: bf16[8]) -> bf16[8] {\n  ROOT %p = bf16[8]{0} parameter(0)\n}\n"
+    fallback = body.replace("%body", "%fallback").replace("}}}", '}}}, metadata={op_name="jit(f)/fallback/dot"}')
+    loop = (
+        "  %t = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%a, %b)\n"
+        "  %w = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) while(%t), condition=%cheap, body=%body, "
+        'backend_config={"known_trip_count":{"n":"4"}}\n'
+    )
+    choice = (
+        "  %i = s32[] parameter(3)\n"
+        "  ROOT %c = bf16[8]{0} conditional(%i, %t, %t), branch_computations={%cheap, %fallback}\n"
+    )
+    one = GEMM_FLOPS / RATES.matmul
+    assert cost(program(loop, body, cheap)).seconds == pytest.approx(4 * one)
+    chosen = cost(program(loop + choice, body, cheap, fallback))
+    assert chosen.seconds == pytest.approx(4 * one)  # the fallback branch's matmul is left out
+    unknown = cost(program(loop.replace('"n":"4"', '"m":"4"'), body, cheap))
+    assert unknown.seconds == pytest.approx(one) and unknown.unknown_loops == 1
+
+
+def test_an_attention_call_takes_its_visible_pairs_at_its_kernel_rate():
+    q = "bf16[1,8192,32,128]{3,2,1,0}"
+    operands = "".join(f"  %{n} = {q} parameter({i})\n" for i, n in enumerate(("q", "k", "v"), 3))
+    forward = (
+        f"  ROOT %fmha = ({q}, f32[1,32,8192]{{2,1,0}}) custom-call(%q, %k, %v), "
+        'custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="jit(f)/attention_cudnn_visible_0.5000/fwd"}'
+    )
+    dense = 2.0 * 32 * 8192 * 8192 * (128 + 128)
+    tally = cost(program(forward, parameters=operands))
+    assert tally.flops[speed.ATTENTION] == pytest.approx(dense / 2)
+    assert tally.seconds == pytest.approx(dense / 2 / RATES.attention["cudnn"])
+    backward = forward.replace("fmhaSoftmax", "fmhaSoftmaxBackward")
+    assert cost(program(backward, parameters=operands)).flops[speed.ATTENTION] == pytest.approx(2.5 * dense / 2)
+
+
+def test_a_fusion_that_slices_an_operand_reads_the_slice():
+    fused = (
+        "%fused (p0: bf16[8192,8192], p1: s32[]) -> bf16[1,8192] {\n"
+        "  %p0 = bf16[8192,8192]{1,0} parameter(0)\n  %p1 = s32[] parameter(1)\n  %z = s32[] constant(0)\n"
+        "  ROOT %ds = bf16[1,8192]{1,0} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={1,8192}\n}\n"
+    )
+    entry = "  %i = s32[] parameter(3)\n  ROOT %f = bf16[1,8192]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused\n"
+    module = hlo.parse(program(entry, fused))
+    estimator = speed.Estimator(module, RATES, [0])
+    assert estimator.bytes(module.entry.by_name["f"], module.entry) == 2 * 8192 * 2 + 4  # row read, row written, index
+
+
+@pytest.mark.parametrize(
+    "q_index, kv_index, window, expected",
+    [
+        (np.arange(4), np.arange(4), None, 10 / 16),  # the causal diagonal
+        (np.arange(4, 8), np.arange(4), None, 1.0),  # keys all before the queries
+        (np.arange(4), np.arange(4, 8), None, 0.0),
+        (np.arange(8), np.arange(8), 2, 15 / 64),  # a window of 2 keys
+    ],
+)
+def test_visible_share_of_static_calls(q_index, kv_index, window, expected):
+    options = Options(causal=True, window=window)
+    assert visible.share(Tokens(None, q_index), Tokens(None, kv_index), options) == pytest.approx(expected)
+    assert visible.share(Tokens(None, q_index), Tokens(None, kv_index), Options(causal=False)) == 1.0
+
+
+def test_estimate_reports_step_tokens_and_mfu():
+    tally = speed.Tally(seconds=2.0, parts=collections.Counter({speed.ATTENTION: 1.5, speed.MATMULS: 0.5}))
+    estimate = speed.SpeedEstimate(tally, tokens=1_000_000, devices=8, model_flops=4e15, peak=1e15)
+    assert estimate.tokens_per_second_per_device == 62_500 and math.isclose(estimate.mfu, 0.25)
+    text = speed.format_estimate(estimate, "h100")
+    assert "step 2 s, 62,500 tokens/s per GPU, MFU 25.0%" in text and "attention kernels 75%, matmuls 25%" in text
