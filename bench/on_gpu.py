@@ -14,7 +14,7 @@ Parts (bench/gpu_parts.py):
 
 `--rehearse` runs every part on CPU at toy sizes (Pallas in interpret mode, cuDNN left out), so that on a GPU only
 the GPU is new; CI runs it. A GPU machine without a package registry installs the wheels it lacks first
-(bench/gpu_wheels.sh prepares them; README "GPUs").
+(bench/gpu_wheels.sh prepares them; docs/gpus.md).
 
     PYTHONPATH=. python bench/on_gpu.py --out /tmp/on_gpu
     PYTHONPATH=. python bench/on_gpu.py --out /tmp/on_gpu --rehearse

@@ -1,7 +1,8 @@
 """`python -m train CONFIG --plan --target h100|h200 --devices N`: the plan is the GPU compiler's buffer assignment
 of the step a GPU run compiles; the fit verdict uses the memory a run lets XLA take; bad targets and device counts
-are named before anything compiles; and (slow) each 128K recipe fits its GPUs with each attention kernel, with no
-reshard the partitioner can only do by replicating a tensor, and with cuDNN in at most 5% more than blockwise."""
+are named before anything compiles; the plan prints a speed estimate; and (slow) each 128K recipe fits its GPUs with
+each attention kernel, with no reshard the partitioner can only do by replicating a tensor, and with cuDNN in at most
+5% more than blockwise."""
 
 import contextlib
 import io
@@ -85,6 +86,11 @@ def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     usable = int(targets.TARGETS["h100"].memory * float(environment.GPU_MEMORY_FRACTION))
     assert f"device memory {cli.format_size(usable)}: fits" in text
     assert "gpu compiler's buffer assignment" in text and "cuDNN's workspace" in text
+    assert_estimated(text)
+
+
+def assert_estimated(text: str) -> None:
+    """The plan's text has a speed estimate: a finite step time, tokens/s and an MFU between 0 and 100%."""
     estimate = re.search(r"step ([0-9.e+-]+) s, ([0-9,]+) tokens/s per GPU, MFU ([0-9.]+)%", text)
     assert estimate and 0 < float(estimate.group(1)) < math.inf and 0 < float(estimate.group(3)) < 100, text
     assert "where the step goes: " in text
@@ -153,5 +159,6 @@ def test_128k_recipe_fits_h100_with_every_kernel(recipe, devices, capfd):
         assert status == 0 and "fits" in text, text
         assert plan.attention_kernel == kernel
         assert INVOLUNTARY not in capfd.readouterr().err, kernel
+        assert_estimated(text)
         totals[kernel] = plan.total
     assert totals["cudnn"] <= 1.05 * totals["blockwise"], totals

@@ -325,7 +325,7 @@ def test_a_retired_key_is_ignored_with_a_warning(tmp_path):
     ],
 )
 def test_a_string_key_takes_the_override_as_written(override, key, value):
-    """What YAML would read as an alias, a number or a bool stays text for a key whose type is str (the README's
+    """What YAML would read as an alias, a number or a bool stays text for a key whose type is str (docs/data.md's
     `data.file_pattern='*.txt'` reaches the program as *.txt); other keys are still read as YAML."""
     config = load_config(None, [override])
     assert getattr(config.data, key) == value

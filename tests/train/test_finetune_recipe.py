@@ -45,9 +45,9 @@ def import_llama(directory: pathlib.Path) -> pathlib.Path:
 
 @pytest.mark.newest_stack
 def test_one_command_takes_an_import_to_a_longer_context_resumes_and_exports(tmp_path, capsys):
-    """The README's command at 1024 tokens (rope stretched 4x, llama3 over the 256 trained positions), ring over
-    mesh.context=2 and fsdp over the other 4 devices; run again with more steps it resumes; its checkpoint exports
-    with the derived rope."""
+    """docs/finetune-128k.md's command at 1024 tokens (rope stretched 4x, llama3 over the 256 trained positions),
+    ring over mesh.context=2 and fsdp over the other 4 devices; run again with more steps it resumes; its checkpoint
+    exports with the derived rope."""
     imported = import_llama(tmp_path)
     command = [
         str(GENERIC),

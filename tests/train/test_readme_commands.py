@@ -1,5 +1,6 @@
-"""The README's `python -m train` commands work as written: each one's arguments parse and its config and overrides
-load (the paths it names stand in for by small files here), and the data examples train a step on such files."""
+"""The `python -m train` commands of README.md and the manual (docs/*.md) work as written: each one's arguments parse
+and its config and overrides load (the paths it names stand in for by small files here), and the data examples
+train a step on such files."""
 
 import re
 import shlex
@@ -16,11 +17,19 @@ from train.config import load_config
 COMMAND = re.compile(r"python -m train (?P<args>.*)")
 
 
-def readme_commands() -> list[tuple[int, list[str]]]:
-    """(line, arguments) of each `python -m train` command in the README's bash blocks: continuation lines joined,
-    comments and what follows `&` or `;` left out, a loop's `$i` as 0."""
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def readme_commands() -> list[tuple[str, list[str]]]:
+    """('page:line', arguments) of each `python -m train` command in the bash blocks of README.md and docs/:
+    continuation lines joined, comments and what follows `&` or `;` left out, a loop's `$i` as 0."""
+    return [(f"{page.name}:{line}", argv) for page in PAGES for line, argv in page_commands(page)]
+
+
+def page_commands(page) -> list[tuple[int, list[str]]]:
+    """(line, arguments) of each `python -m train` command in the bash blocks of one markdown page."""
     commands, block, joined, first = [], False, "", 0
-    for number, line in enumerate((REPO / "README.md").read_text().splitlines(), 1):
+    for number, line in enumerate(page.read_text().splitlines(), 1):
         if line.startswith("```"):
             block = line.strip() == "```bash"
             continue
@@ -76,7 +85,7 @@ def test_the_readme_has_training_commands():
     assert len(COMMANDS) >= 10 and all(argv[0].endswith(".yaml") or argv[0].startswith("--") for _, argv in COMMANDS)
 
 
-@pytest.mark.parametrize("argv", [argv for _, argv in COMMANDS], ids=[f"line{line}" for line, _ in COMMANDS])
+@pytest.mark.parametrize("argv", [argv for _, argv in COMMANDS], ids=[where for where, _ in COMMANDS])
 def test_each_readme_command_parses_and_its_config_loads(argv, stand_ins):
     args = arguments().parse_intermixed_args(replaced(argv, stand_ins))
     config = load_config(REPO / args.config, args.overrides, init_params=False)
