@@ -25,15 +25,15 @@ SCALINGS = ("none", "llama3", "yarn", "linear")
 class RopeScalingConfig:
     """Rotary-embedding context extension; `type` one of SCALINGS (fields as in Hugging Face)."""
 
-    type: str = "none"
-    factor: float = 1.0  # linear: positions divided by it (Gemma 3's global layers)
-    original_max_position_embeddings: int = 8192
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    mscale: float = 1.0  # yarn
-    mscale_all_dim: float = 0.0  # yarn
+    type: str = "none"  # none | llama3 | yarn | linear
+    factor: float = 1.0  # how much longer than the original context; linear: positions divided by it (Gemma 3)
+    original_max_position_embeddings: int = 8192  # the context the scaled rope was trained at
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are divided by factor
+    high_freq_factor: float = 4.0  # llama3: wavelengths below original / high_freq_factor are kept
+    beta_fast: float = 32.0  # yarn: rotations at which the correction range starts (kept above it)
+    beta_slow: float = 1.0  # yarn: rotations at which it ends (interpolated below it)
+    mscale: float = 1.0  # yarn: the attention temperature term's coefficient
+    mscale_all_dim: float = 0.0  # yarn: its coefficient over all dimensions (DeepSeek); 0 = none
     truncate: bool = True  # yarn: round the correction range to whole dimensions (GPT-OSS: false)
 
 

@@ -23,24 +23,27 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Architecture. Features are chosen by these fields, never by a model's name."""
 
+    # llama | qwen2 | qwen3 | mistral | qwen3_moe | mixtral | gemma3 | gpt_oss | qwen3_5 | qwen3_5_moe | qwen3_next |
+    # deepseek: the Hugging Face family, which names the tensors an import / export maps
     family: str = "llama"
-    vocab_size: int = 512
-    embed_dim: int = 256
-    num_layers: int = 4
-    num_heads: int = 4
-    num_kv_heads: int = 4
-    head_dim: int = 64
-    mlp_dim: int = 768
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
+    vocab_size: int = 512  # token ids the embedding and head cover (at least the tokenizer's vocabulary)
+    embed_dim: int = 256  # hidden_size: the residual stream's width
+    num_layers: int = 4  # num_hidden_layers: the blocks
+    num_heads: int = 4  # num_attention_heads: query heads
+    num_kv_heads: int = 4  # num_key_value_heads: key / value heads (grouped-query attention when fewer)
+    head_dim: int = 64  # each attention head's width
+    mlp_dim: int = 768  # intermediate_size: the dense (SwiGLU / GeGLU) MLP's hidden width
+    norm_eps: float = 1e-5  # rms_norm_eps: the RMSNorm epsilon
+    rope_theta: float = 10000.0  # the rotary embedding's base
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)  # context extension of the rope
     # positions the model covers, Hugging Face's max_position_embeddings (an import's comes from its config.json);
     # 0 = not stated (a yarn rope then covers factor x original_max_position_embeddings)
     max_position_embeddings: int = 0
-    # positions to extend the model to; 0 = keep its rope. See extend_context.
+    # positions to extend the model to, its rope scaling stretched from its own when it covers fewer; 0 = keep its
+    # rope (see extend_context)
     context_length: int = 0
-    tie_embeddings: bool = False
-    param_dtype: str = "float32"
+    tie_embeddings: bool = False  # tie_word_embeddings: the head is the embedding table
+    param_dtype: str = "float32"  # float32 | bfloat16: the parameters' (and AdamW's moments') dtype
     # Grouped-query attention (every family but deepseek; Hugging Face names in comments)
     qkv_bias: bool = False  # q/k/v_proj bias (Qwen2; no o_proj bias, unlike Llama's attention_bias)
     qk_norm: bool = False  # q_norm / k_norm (Qwen3): RMSNorm over each head's head_dim of q and k before rope
@@ -52,23 +55,23 @@ class ModelConfig:
     query_pre_attn_scalar: int = 0  # query_pre_attn_scalar (Gemma): softmax scale its ** -0.5; 0 = head_dim's
     # Multi-head latent attention (deepseek; Hugging Face names in comments)
     q_lora_rank: int = 0  # q_lora_rank; 0 = full-rank query projection
-    kv_lora_rank: int = 0  # kv_lora_rank
-    qk_nope_head_dim: int = 0  # qk_nope_head_dim
+    kv_lora_rank: int = 0  # kv_lora_rank: the compressed key / value latent's width (> 0: latent attention)
+    qk_nope_head_dim: int = 0  # qk_nope_head_dim: each query / key head's features without rope
     qk_rope_head_dim: int = 0  # qk_rope_head_dim (one rotary key shared by all heads)
-    v_head_dim: int = 0  # v_head_dim
+    v_head_dim: int = 0  # v_head_dim: each value head's width
     # Mixture of experts (families in EXPERT_FAMILIES); num_experts 0 = dense MLP everywhere
     num_experts: int = 0  # n_routed_experts; num_experts (Qwen3-MoE); num_local_experts (Mixtral)
-    experts_per_token: int = 0  # num_experts_per_tok
-    moe_mlp_dim: int = 0  # moe_intermediate_size; intermediate_size (Mixtral)
+    experts_per_token: int = 0  # num_experts_per_tok: routed experts each token goes to
+    moe_mlp_dim: int = 0  # moe_intermediate_size; intermediate_size (Mixtral): each expert's hidden width
     num_shared_experts: int = 0  # n_shared_experts (0: no shared expert, as Qwen3-MoE and Mixtral)
     # shared_expert_intermediate_size (Qwen3-Next, Qwen3.5-MoE): the shared experts' MLP; 0 = moe_mlp_dim x their number
     shared_expert_mlp_dim: int = 0
     shared_expert_gate: bool = False  # shared_expert_gate: the shared experts' output times sigmoid(x @ w)
     first_dense_layers: int = 0  # first_k_dense_replace; Qwen3-MoE's mlp_only_layers [0, ..., k - 1]
     n_group: int = 1  # n_group (group-limited routing; 1 = off)
-    topk_group: int = 1  # topk_group
-    norm_topk_prob: bool = True  # norm_topk_prob
-    routed_scaling_factor: float = 1.0  # routed_scaling_factor
+    topk_group: int = 1  # topk_group: expert groups a token may route to
+    norm_topk_prob: bool = True  # norm_topk_prob: the top-k routing weights renormalised to sum to one
+    routed_scaling_factor: float = 1.0  # routed_scaling_factor: the routed experts' output scale
     router_bias_rate: float = 0.001  # aux-loss-free balancing: bias step per update (0 = frozen bias)
     router_score: str = "sigmoid"  # scoring_func: sigmoid (V3, biased selection) | softmax (all others, no bias)
     # router_aux_loss_coef: weight of the load-balancing loss (aux_loss_alpha: DeepSeek's, per layer)
@@ -89,8 +92,8 @@ class ModelConfig:
     attention_output_gate: bool = False  # q_proj's second half per head: attention output times sigmoid(gate)
     linear_key_heads: int = 0  # linear_num_key_heads: a linear_attention layer's query/key heads
     linear_heads: int = 0  # linear_num_value_heads: its value heads (a multiple of the key heads)
-    linear_key_dim: int = 0  # linear_key_head_dim
-    linear_value_dim: int = 0  # linear_value_head_dim
+    linear_key_dim: int = 0  # linear_key_head_dim: a Gated DeltaNet key head's width
+    linear_value_dim: int = 0  # linear_value_head_dim: a Gated DeltaNet value head's width
     linear_conv_taps: int = 4  # linear_conv_kernel_dim: the causal convolution's taps before the recurrence
 
     @property
@@ -129,7 +132,9 @@ class ComputeConfig:
     """How the model computes, not what it is: a run may change these between restarts."""
 
     dtype: str = "auto"  # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU
-    remat_policy: str = "full"  # a name in models/remat.py: what each scanned block keeps for the backward pass
+    # full | none | save_dots | save_projections | offload_projections (models/remat.py): what each scanned block
+    # keeps for the backward pass
+    remat_policy: str = "full"
     loss_chunk_size: int = 1024  # at most this many tokens per device per cross-entropy chunk (no [length, vocab])
 
 

@@ -13,12 +13,12 @@ class MixtureComponent:
     """One source of `data.mixture`: its share of the train bytes (`weight`, normalized over the components) and
     how to read it; a field left unset (None) takes the `data` section's value."""
 
-    source: str
-    weight: float = 1.0
-    format: str | None = None
-    text_field: str | None = None
-    file_pattern: str | None = None
-    max_documents: int | None = None
+    source: str  # a text file, a folder, a .jsonl or a .parquet file
+    weight: float = 1.0  # its share of the train bytes, normalised over the components
+    format: str | None = None  # as data.format; unset = data.format
+    text_field: str | None = None  # as data.text_field; unset = data.text_field
+    file_pattern: str | None = None  # as data.file_pattern; unset = data.file_pattern
+    max_documents: int | None = None  # as data.max_documents; unset = data.max_documents
 
 
 # the values of data.format and data.packing, as train/sources.py and train/data.py implement them (a config
@@ -31,23 +31,25 @@ PACKINGS = ("concat", "first_fit")
 class DataConfig:
     """Where text comes from and how it becomes packed rows of `seq_len` tokens."""
 
-    source: str = "stdlib"  # "stdlib", a text file, a folder, a .jsonl or a .parquet file
+    # stdlib (the standard library's Python sources) | retrieval (synthetic needle-retrieval documents,
+    # train/retrieval.py) | a text file, a folder, a .jsonl or a .parquet file
+    source: str = "stdlib"
     format: str = "auto"  # auto | text | jsonl | parquet
-    text_field: str = "text"
-    file_pattern: str = "*"  # glob for folders
+    text_field: str = "text"  # the JSONL field or Parquet column holding the text
+    file_pattern: str = "*"  # glob of the files a folder source reads
     tokenizer: str = "byte"  # "byte" or a path to a Hugging Face tokenizer.json
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per row
     packing: str = "concat"  # concat (split documents across rows) | first_fit (pad rows)
-    shuffle: bool = True
-    seed: int = 0
-    eval_fraction: float = 0.02
-    max_documents: int = 0  # 0 = all
-    add_bos: bool = True
-    add_eos: bool = True
+    shuffle: bool = True  # shuffle the train documents (seeded)
+    seed: int = 0  # the data order's and the held-out split's seed
+    eval_fraction: float = 0.02  # share of documents held out for evaluation (a single text file: its tail)
+    max_documents: int = 0  # documents read at most; 0 = all
+    add_bos: bool = True  # a beginning-of-sequence token before each document
+    add_eos: bool = True  # an end-of-sequence token after each document
     # long-document upsampling in the train split: documents of at least long_document_bytes (about 4 bytes per
     # token) appear long_document_weight times per epoch (a fraction by a seeded coin); 0 / 1 = off
     long_document_bytes: int = 0
-    long_document_weight: float = 1.0
+    long_document_weight: float = 1.0  # how many times such a document appears per epoch (a fraction: a seeded coin)
     # several sources mixed by weight (share of the bytes as stored, ~tokens; each held out and upsampled on its own);
     # when given, it replaces `source` (() = read `source` alone)
     mixture: tuple[MixtureComponent, ...] = ()
@@ -57,15 +59,15 @@ class DataConfig:
 class OptimizerConfig:
     """AdamW with linear warmup and cosine decay to `min_lr_ratio * learning_rate`."""
 
-    learning_rate: float = 3e-4
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    decay_steps: int = 0  # 0 = train.steps
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0  # 0 = no clipping
+    learning_rate: float = 3e-4  # peak learning rate, after the warmup
+    min_lr_ratio: float = 0.1  # the cosine decay ends at learning_rate x this
+    warmup_steps: int = 100  # linear warmup from learning_rate / warmup_steps at the first update
+    decay_steps: int = 0  # the cosine decay's length in steps; 0 = train.steps
+    b1: float = 0.9  # AdamW's first-moment decay
+    b2: float = 0.95  # AdamW's second-moment decay
+    eps: float = 1e-8  # AdamW's epsilon
+    weight_decay: float = 0.1  # decoupled weight decay (not on norm scales, biases or attention sinks)
+    clip_norm: float = 1.0  # gradients clipped to this global norm; 0 = no clipping
     # AdamW's first moment (mu): param = model.param_dtype (float32 unless set), float32 or bfloat16. The second
     # moment (nu) stays in model.param_dtype: its (1 - b2) * g^2 increments fall below bfloat16's resolution once
     # b2 > 0.996, so a bfloat16 nu beside float32 parameters would stop tracking the gradients
@@ -76,37 +78,39 @@ class OptimizerConfig:
 class TrainConfig:
     """The loop: how long, how big a batch, where outputs go, how often to log and evaluate."""
 
-    steps: int = 1000
+    steps: int = 1000  # optimizer updates in the whole run (raise it to train a resumed run further)
     batch_size: int = 8  # global, in rows of data.seq_len tokens
-    grad_accum_steps: int = 1
-    output_dir: str = "runs/default"
-    log_every_steps: int = 10
-    eval_every_steps: int = 0  # 0 = only at the end
-    eval_batches: int = 4  # 0 = no evaluation
+    grad_accum_steps: int = 1  # micro-batches per update (batch_size divides by it)
+    output_dir: str = "runs/default"  # the run directory: checkpoints, metrics.jsonl, tensorboard/, config.yaml
+    log_every_steps: int = 10  # steps between metrics lines
+    eval_every_steps: int = 0  # steps between evaluations; 0 = only at the end
+    eval_batches: int = 4  # held-out batches per evaluation; 0 = no evaluation
     # token positions within a document where the eval loss is split: [1024, 4096] reports eval_loss/pos_0_1024,
     # eval_loss/pos_1024_4096 and eval_loss/pos_4096_<seq_len> beside eval_loss
     eval_position_buckets: tuple[int, ...] = ()
     # needle retrieval at every evaluation (train/needle.py): rows of these lengths, the asked needle at these
     # depths, needle_samples haystacks per point; logged as needle/<task>, the mean accuracy over the grid
-    needle_lengths: tuple[int, ...] = ()  # () = off
-    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)
-    needle_samples: int = 4
-    seed: int = 0
-    progress_bar: bool = True
-    sample_tokens: int = 120
-    sample_prompt: str = "def "
-    sample_temperature: float = 0.8  # 0 = greedy
-    peak_tflops_per_device: float = 0.0  # 0 = look up, or measure on CPU
+    needle_lengths: tuple[int, ...] = ()  # needle retrieval at every evaluation at these row lengths; () = off
+    needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)  # where the asked needle sits, as a share of the row
+    needle_samples: int = 4  # haystacks per (length, depth)
+    seed: int = 0  # the parameters' initialisation seed
+    progress_bar: bool = True  # a progress bar on a terminal
+    sample_tokens: int = 120  # tokens sampled from the model at the end of a run; 0 = none
+    sample_prompt: str = "def "  # the prompt of that sample
+    sample_temperature: float = 0.8  # that sample's temperature; 0 = greedy
+    peak_tflops_per_device: float = 0.0  # the devices' peak TFLOP/s, MFU's denominator; 0 = look up, or measure on CPU
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints under OUTPUT_DIR/checkpoints; `init_from` seeds params only."""
 
-    enabled: bool = True
-    every_steps: int = 500
-    keep: int = 3
-    async_save: bool = True
+    enabled: bool = True  # save checkpoints (and resume from them)
+    every_steps: int = 500  # steps between checkpoints (one is also saved at the end and on SIGTERM / Ctrl-C)
+    keep: int = 3  # checkpoints kept, the newest
+    async_save: bool = True  # write checkpoints in the background while training goes on
+    # a checkpoint directory (its newest step), one step directory or an import (python -m train.hf import) whose
+    # parameters start the run; the optimizer, step and data position start fresh; "" = initialise
     init_from: str = ""
 
 
@@ -114,12 +118,12 @@ class CheckpointConfig:
 class MeshConfig:
     """Device mesh axis sizes; one -1 takes the remaining devices."""
 
-    data: int = 1
-    fsdp: int = -1
-    expert: int = 1
-    context: int = 1
+    data: int = 1  # replicas of the model, each with its own rows of the batch
+    fsdp: int = -1  # parameters, gradients and optimizer state sharded; the batch rows split too; -1 = the rest
+    expert: int = 1  # routed experts spread over it; the batch rows split too
+    context: int = 1  # each row's sequence split (parallel.context_strategy says how attention runs)
     ulysses: int = 1  # usp only: heads split over this axis, inside the context (ring) axis
-    tensor: int = 1
+    tensor: int = 1  # heads, MLP hidden units and the vocabulary split (tensor parallelism)
 
 
 @dataclass(frozen=True)
@@ -128,12 +132,14 @@ class ParallelConfig:
     and the kernel it uses, whether tensor parallelism scatters the residual stream, and how MoE tokens travel to
     the expert devices."""
 
-    context_strategy: str = "none"  # none | all_gather | ring | ulysses | usp
+    # none | all_gather | ring | ulysses | usp: how attention runs over a sequence split over mesh.context (required
+    # then)
+    context_strategy: str = "none"
     load_balance: bool = True  # reorder the sequence when mesh.context > 1 so causal work is even
     balance_layout: str = "dual_chunk"  # dual_chunk | striped
     stripe: int = 1  # tokens per stripe for the striped layout
-    block_q: int = 256  # attention kernel block sizes (bench/README.md: 256 beats 512 on CPU in time and memory)
-    block_kv: int = 256
+    block_q: int = 256  # query tokens per attention kernel block (bench/README.md: 256 beats 512 on CPU)
+    block_kv: int = 256  # key / value tokens per attention kernel block
     ring_grad_dtype: str = "float32"  # float32 | compute: dK/dV summed and sent around the ring in the compute dtype
     attention_kernel: str = (
         "auto"  # auto (GPU: cudnn on Hopper+, else pallas; elsewhere blockwise) | pallas | cudnn | blockwise
