@@ -45,11 +45,13 @@ def test_primitives_bind_as_the_kernel_binds_them(heads):
     assert (dq.shape, dk.shape, dv.shape) == tuple(a.shape for a in arguments(heads)[:3])
 
 
+# MHA compiles on both stacks, MLA (padded head widths) on the newest; GQA (K / V repeated) is slow
+MARKS = {"mha": [], "mla": [pytest.mark.newest_stack], "gqa": [pytest.mark.slow]}
+
+
 @pytest.mark.gpu_compile
 @pytest.mark.skipif(not targets.plugin_installed(), reason=f"needs XLA's GPU compiler: {targets.GPU_INSTALL}")
-@pytest.mark.parametrize(
-    "heads", [pytest.param(h, marks=[] if h == "mha" else pytest.mark.newest_stack) for h in HEADS]
-)
+@pytest.mark.parametrize("heads", [pytest.param(h, marks=MARKS[h]) for h in HEADS])
 def test_kernel_compiles_for_h100(heads):
     """Static indices (the causal diagonal) and traced ones (every kind a call may turn out to be)."""
     sharding = jax.sharding.SingleDeviceSharding(targets.compile_only_devices("h100", 1)[0])

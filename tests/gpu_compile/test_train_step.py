@@ -2,14 +2,15 @@
 strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny (also as Qwen3.5-MoE): packed rows,
 scattered tensor parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m
 train CONFIG --plan --target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the
-compiled program. deepseek-tiny's latent attention and experts take blockwise and Pallas under the ring and cuDNN
-under USP; the tiny Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under
-the ring; their other cases, and every Qwen3.5-MoE case, are slow (the GPU compiler takes 20-90 s each). The floor
-stack compiles the tiny Llama under the ring (every kernel) and under usp with cuDNN (every collective pattern); the
-newest stack, which GPU machines run, also its usp with the others, and its none, all_gather and ulysses with cuDNN
-(which compiles the Pallas fallback too; their blockwise and Pallas cases are slow), and the other models' cases
-above. No case may leave the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs
-"Involuntary full rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
+compiled program. deepseek-tiny's latent attention and experts take Pallas under the ring and cuDNN under USP; the
+tiny Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under the ring; their
+other cases, and every Qwen3.5-MoE case, are slow (the GPU compiler takes 20-90 s each). The floor stack compiles the
+tiny Llama under the ring (every kernel) and under usp with cuDNN (every collective pattern); the newest stack, which
+GPU machines run, also its usp with Pallas, and its all_gather and ulysses with cuDNN (which compiles the Pallas
+fallback too; their blockwise and Pallas cases, usp with blockwise and none with cuDNN are slow), and the other
+models' cases above. No case may leave the SPMD partitioner a reshard it can only do by replicating a whole tensor
+(XLA logs "Involuntary full rematerialization" on stderr); the embedding lookup over fsdp x context was one
+(parallel/lookup.py).
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -82,8 +83,8 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def fast_deepseek(strategy: str, kernel: str) -> bool:
-    """Whether deepseek-tiny's case runs by default: blockwise and Pallas under the ring, cuDNN under USP."""
-    return (strategy == "ring" and kernel != "cudnn") or (strategy, kernel) == ("usp", "cudnn")
+    """Whether deepseek-tiny's case runs by default: Pallas under the ring, cuDNN under USP."""
+    return (strategy, kernel) in (("ring", "pallas"), ("usp", "cudnn"))
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
@@ -95,6 +96,8 @@ def marks(model: str, strategy: str, kernel: str) -> list:
     ):
         return [pytest.mark.slow]
     if model == "llama" and strategy in ("none", "all_gather", "ulysses") and kernel != "cudnn":
+        return [pytest.mark.slow]
+    if model == "llama" and (strategy, kernel) in (("usp", "blockwise"), ("none", "cudnn")):
         return [pytest.mark.slow]
     floor = model == "llama" and (strategy == "ring" or (strategy, kernel) == ("usp", "cudnn"))
     return [] if floor else [pytest.mark.newest_stack]

@@ -59,6 +59,11 @@ def floor(strategies):
     return [pytest.param(s, marks=[] if s == "ring" else [pytest.mark.newest_stack]) for s in strategies]
 
 
+# sinks alone: all_gather and usp repeat the cuDNN calls the ring and ulysses make, so they are slow
+SINKS_ALONE = [p if p.values[0] not in ("all_gather", "usp") else pytest.param(*p.values, marks=pytest.mark.slow)
+               for p in floor(STRATEGIES)]  # fmt: skip
+
+
 @pytest.mark.parametrize("kernel", ["pallas", "cudnn"])
 @pytest.mark.parametrize("strategy", floor(STRATEGIES))
 def test_a_window_with_sinks_compiles_to_the_pallas_kernel(strategy, kernel):
@@ -66,7 +71,7 @@ def test_a_window_with_sinks_compiles_to_the_pallas_kernel(strategy, kernel):
     assert "__gpu$xla.gpu.triton" in calls and not any(call.startswith("__cudnn") for call in calls), calls
 
 
-@pytest.mark.parametrize("strategy", floor(STRATEGIES))
+@pytest.mark.parametrize("strategy", SINKS_ALONE)
 def test_sinks_alone_keep_the_cudnn_calls(strategy):
     calls = custom_calls(strategy, "cudnn", None)
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls, calls
