@@ -60,9 +60,19 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
     return max(1, tokens if math.isinf(factor) else min(tokens, math.ceil(factor * tokens * k / num_experts)))
 
 
-def receive_rows(tokens: int, k: int, factor: float) -> int:
-    """Receive-buffer rows per device of the ragged dispatch: ceil(factor x tokens x k), factor x the balanced load."""
-    return max(1, math.ceil(factor * tokens * k))
+def receive_rows(tokens: int, k: int, factor: float, sources: int, local_experts: int) -> int:
+    """Receive-buffer rows per device of the ragged dispatch: ceil(factor x tokens x k), factor x the balanced load,
+    at most what `sources` devices of `tokens` tokens can send to `local_experts` experts (factor = inf: that
+    bound, never dropping)."""
+    most = sources * tokens * min(k, local_experts)
+    return max(1, most if math.isinf(factor) else min(most, math.ceil(factor * tokens * k)))
+
+
+def ragged_as_capacity(factor: float, k: int, num_experts: int, sources: int) -> float:
+    """The capacity factor whose capacity dispatch holds as many rows per device as the ragged dispatch's receive
+    buffer at `factor` over `sources` expert-parallel devices (a CPU plan of a ragged run). They agree for a finite
+    factor; dropless, the capacity buffers' worst case (every token to one expert) is larger than the ragged one's."""
+    return sources * min(k, num_experts // sources) / k if math.isinf(factor) else factor
 
 
 class Routed(NamedTuple):
@@ -253,7 +263,8 @@ def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
     d = tokens.shape[-1]
     order, position, counts = _sort_by_expert(experts, num_experts)
     table = jax.lax.all_gather(counts, axes)  # [devices, experts]
-    rows = receive_rows(n, k, factor)
+    sources = jax.lax.axis_size(axes)
+    rows = receive_rows(n, k, factor, sources, num_experts // sources)
     layout = ragged_layout(table, jax.lax.axis_index(axes), rows)
     sent = jnp.take(tokens, order // k, axis=0)  # [n * k, embed] sorted by expert, so by device
     received = jax.lax.ragged_all_to_all(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 
 from jax.sharding import Mesh
 
@@ -27,8 +28,8 @@ class Plan:
     (cpu, gpu, tpu; CUDA compute capability "9.0"), None = JAX's default backend and its devices; scatter:
     scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
     expert_dispatch: capacity or ragged (parallel/experts.py); expert_capacity: dispatch buffer rows per expert /
-    its balanced load; expert_chunk: at most this many tokens per device pass through an MoE block at once
-    (0 = all); ring_grad_dtype: the dtype the ring accumulates and sends dK/dV in (RING_GRAD_DTYPES: float32, or
+    its balanced load (inf: dropless); expert_chunk: at most this many tokens per device pass through an MoE block at
+    once (0 = all); ring_grad_dtype: the dtype the ring accumulates and sends dK/dV in (RING_GRAD_DTYPES: float32, or
     compute = K/V's own dtype, half the bytes in bfloat16)."""
 
     strategy: str = "none"
@@ -44,7 +45,7 @@ class Plan:
     capability: str | None = None
     scatter: bool = True
     expert_dispatch: str = "capacity"
-    expert_capacity: float = 1.25
+    expert_capacity: float = math.inf
     expert_chunk: int = 0
     ring_grad_dtype: str = "float32"
 

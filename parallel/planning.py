@@ -143,7 +143,7 @@ def make_plan(settings, sizes: Mapping[str, int], device=None) -> Plan:
         capability=capability,
         scatter=settings.scatter_residual,
         expert_dispatch=expert_dispatch(settings, platform),
-        expert_capacity=settings.expert_capacity_factor,
+        expert_capacity=math.inf if settings.expert_capacity_factor is None else settings.expert_capacity_factor,
         expert_chunk=settings.expert_chunk_size,
         ring_grad_dtype=settings.ring_grad_dtype,
     )

@@ -19,13 +19,14 @@ from models.remat import RematError, check_policy
 from parallel import targets
 from parallel.mesh import AXES, MeshError
 from parallel.targets import TargetError
-from train import distributed, environment, library_log, peers
+from train import distributed, environment, library_log, peers, stall
 from train.config import ConfigError, load_config, to_dict
-from train.errors import CheckpointError, DataError, NonFiniteLoss
+from train.errors import CheckpointError, DataError, NonFiniteLoss, leave
 from train.memory import format_plan, format_size, parse_size, plan_memory
 from train.speed import estimate_plan, format_estimate
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
+SINGLE_STEP_TIMEOUT = 300.0  # seconds a single-process run waits for a step's results before calling it hung
 
 
 def seconds(text: str) -> float:
@@ -130,10 +131,10 @@ def arguments() -> argparse.ArgumentParser:
     parser.add_argument(
         "--step-timeout",
         type=seconds,
-        default=peers.Timeouts.step,
         metavar="S",
-        help="with --distributed: no step finished for S seconds (after the first) means a peer hung; every "
-        f"process stops, with exit status {peers.PEER_LOST} (default %(default)s; 0 = never)",
+        help=f"a hung step stops the run with exit status {peers.PEER_LOST}: alone, a step whose results the run "
+        f"waits for S seconds past its compile (default {SINGLE_STEP_TIMEOUT:g}); with --distributed, no step finished "
+        f"for S seconds after the first while the processes' steps differ (default {peers.Timeouts.step:g}); 0 = never",
     )
     parser.add_argument(
         "--plan",
@@ -173,7 +174,8 @@ def main(argv=None) -> int:
         parser.error("--coordinator, --num-processes and --process-id go with --distributed")
     if not args.peer_timeout:
         parser.error("--peer-timeout must be > 0 seconds")
-    timeouts = peers.Timeouts(peer=args.peer_timeout, step=args.step_timeout)
+    step_timeout = peers.Timeouts.step if args.step_timeout is None else args.step_timeout
+    timeouts = peers.Timeouts(peer=args.peer_timeout, step=step_timeout)
     environment.set_up()
     # force: an imported library may have configured the root logger already, hiding our INFO lines
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", force=True)
@@ -185,14 +187,15 @@ def main(argv=None) -> int:
         config = load_config(args.config, args.overrides, init_params=not args.plan)
         if args.plan:
             return plan(config, args.devices, args.device_memory, args.target)
+        checkpoints = pathlib.Path(config.train.output_dir) / "checkpoints" if config.checkpoint.enabled else None
         if args.distributed:
-            checkpoints = pathlib.Path(config.train.output_dir) / "checkpoints" if config.checkpoint.enabled else None
             distributed.initialize(distributed.resolve(*cluster_flags), timeouts, checkpoints)
             distributed.check_same_config(to_dict(config), timeouts)
         check_policy(config.compute.remat_policy, jax.default_backend())
         from train.loop import run
 
-        with peers.reporting():
+        alone = SINGLE_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout
+        with peers.reporting(), stall.watching(0 if args.distributed else alone, checkpoints):
             run(config)
     except (ConfigError, MeshError, RematError, DataError, CheckpointError, OSError, TargetError) as error:
         print(f"error: {error}{library_log.mention()}", file=sys.stderr)
@@ -201,16 +204,6 @@ def main(argv=None) -> int:
         print(f"error: {error}{library_log.mention()}", file=sys.stderr)
         return 3
     return 0
-
-
-def leave(code: int) -> int:
-    """`code`, or for a failed run the exit now with `code`: on the way out JAX's shutdown waits for peers that may
-    be gone, and orbax's threads of a failed save wait minutes for signals that never come."""
-    if code:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
 
 
 if __name__ == "__main__":

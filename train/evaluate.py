@@ -9,7 +9,8 @@ The run config is --config, else RUN_DIR/config.yaml, else an import's model.yam
 tokenizer.json (when it has one); checkpoint.init_from is ignored. Writes OUT/needle.json (one record per task,
 length and depth with its accuracy over --samples haystacks), OUT/needle.png (one heatmap per task: depth x
 length) and TensorBoard scalars `needle/<task>/<length>/<depth>` under OUT/tensorboard. OUT is --out, else
-RUN_DIR/eval (an import: its OUT/eval). The haystacks' filler is the held-out part of the config's data.
+RUN_DIR/eval (an import: its OUT/eval). The haystacks' filler is the held-out part of the config's data. Ctrl-C
+ends it in one line (exit status 130).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import dataclasses
 import functools
 import json
 import pathlib
+import signal
 import sys
 
 import jax
@@ -29,7 +31,7 @@ from parallel.mesh import MeshError, make_mesh
 from train import environment, library_log
 from train.checkpoint import model_directories, restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
-from train.errors import CheckpointError, DataError
+from train.errors import CheckpointError, DataError, leave
 from train.haystack import TASKS, needle_grid
 from train.hf import MODEL_YAML, TOKENIZER
 from train.needle import filler_tokens, model_predictor
@@ -187,10 +189,13 @@ def main(argv=None) -> int:
     except (ConfigError, MeshError, DataError, CheckpointError, FileNotFoundError, ValueError) as error:
         print(f"error: {error}{library_log.mention()}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: stopped by Ctrl-C before the evaluation of {args.checkpoint} finished", file=sys.stderr)
+        return 128 + signal.SIGINT
     for r in records:
         print(f"{r['task']:>12} {r['length']:>8,} tokens  depth {r['depth']:.0%}  {r['accuracy']:.0%}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave(main()))

@@ -4,7 +4,9 @@ import writes OUT/model (an orbax `model` item: `checkpoint.init_from=OUT` seeds
 OUT/model.yaml (the architecture under a top-level `model:` key, for a run config's `base:`) and
 OUT/hf_config.json (the source config.json, whose token ids and max_position_embeddings export carries over) and
 OUT/tokenizer.json when the source has one (for `data.tokenizer`). A run initialised from OUT keeps the last two
-in its run directory (train/origin.py), so the export of a fine-tune carries them too.
+in its run directory (train/origin.py), so the export of a fine-tune carries them too. OUT is written whole beside
+itself and swapped in; an OUT that holds anything (another import, or the same one made before) is refused unless
+--overwrite, which replaces everything in it.
 
 export reads CHECKPOINT: an import's OUT, a run's checkpoints/<step>, or a run's checkpoints/ (its newest step
 that can be read: a damaged newer one is passed over with a warning, and nothing is moved), onto this process's
@@ -12,6 +14,9 @@ devices whatever the devices it was saved on, and prints the step it wrote. The 
 if given, else CHECKPOINT/model.yaml (an import), else the resolved config a run saves in every checkpoint (its
 `meta` item). HF_DIR is written whole beside itself and swapped in, so an interrupted export leaves the previous
 one; an HF_DIR that holds another model is refused unless --overwrite.
+
+A write that fails (a full or read-only disk) leaves OUT or HF_DIR as it was and ends in one line (exit status 2),
+its traceback in the library log the line names (train/library_log.py).
 """
 
 from __future__ import annotations
@@ -20,46 +25,106 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import re
 import shutil
 import sys
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
 
 import orbax.checkpoint as ocp
 import yaml
 from flax import nnx
+from safetensors import SafetensorError
 
 from models.config import ConfigError, ModelConfig
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
+from models.hf.replace import replace_directory
 from train import environment, library_log
 from train.architecture import saved_model
 from train.checkpoint import newest_readable, read_model_params
 from train.config import load_config
 from train.config.imported import HF_CONFIG, MODEL_YAML, TOKENIZER
-from train.errors import CheckpointError
+from train.errors import CheckpointError, OutputError, leave
 from train.origin import origin_file
 
 # config.json keys the model does not determine, carried from the imported config.json on export
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+IMPORTED = ("model", MODEL_YAML, HF_CONFIG, TOKENIZER)  # what an import writes into OUT
+T = TypeVar("T")
 
 
 def import_checkpoint(
-    hf_dir: str | pathlib.Path, out: str | pathlib.Path, dtype: str = "float32", *, allow_unused: bool = False
+    hf_dir: str | pathlib.Path,
+    out: str | pathlib.Path,
+    dtype: str = "float32",
+    *,
+    allow_unused: bool = False,
+    overwrite: bool = False,
 ) -> ModelConfig:
-    """Hugging Face directory -> OUT/model (orbax), OUT/model.yaml, OUT/hf_config.json (and OUT/tokenizer.json);
-    returns the config. Tensors the model would not read are refused unless `allow_unused` (load_pretrained)."""
-    model = load_pretrained(hf_dir, dtype, allow_unused=allow_unused)
-    out = pathlib.Path(out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(out / "model", nnx.to_pure_dict(nnx.state(model)), force=True)
-    architecture = dataclasses.asdict(model.config)
-    (out / MODEL_YAML).write_text(
-        f"# Imported from {pathlib.Path(hf_dir).absolute()}; use as a run config's "
-        f"`base:` with checkpoint.init_from={out}\n" + yaml.safe_dump({"model": architecture}, sort_keys=False)
-    )
-    (out / HF_CONFIG).write_text((pathlib.Path(hf_dir) / CONFIG).read_text())
-    if (pathlib.Path(hf_dir) / TOKENIZER).is_file():
-        shutil.copyfile(pathlib.Path(hf_dir) / TOKENIZER, out / TOKENIZER)
+    """Hugging Face directory -> OUT/model (orbax), OUT/model.yaml, OUT/hf_config.json (and OUT/tokenizer.json),
+    written whole beside OUT and swapped in; returns the config. An OUT that holds anything is refused (ValueError)
+    unless `overwrite`, which replaces everything in it. Tensors the model would not read are refused unless
+    `allow_unused` (load_pretrained)."""
+    source, out = pathlib.Path(hf_dir).absolute(), pathlib.Path(out).absolute()
+    refusal = _refusal(source, out, overwrite)
+    if refusal:
+        raise ValueError(f"not importing into {out}: {refusal}")
+    model = load_pretrained(source, dtype, allow_unused=allow_unused)
+
+    def write(directory: pathlib.Path) -> None:
+        with ocp.StandardCheckpointer() as checkpointer:
+            checkpointer.save(directory / "model", nnx.to_pure_dict(nnx.state(model)))
+        architecture = dataclasses.asdict(model.config)
+        (directory / MODEL_YAML).write_text(
+            f"# Imported from {source}; use as a run config's `base:` with checkpoint.init_from={out}\n"
+            + yaml.safe_dump({"model": architecture}, sort_keys=False)
+        )
+        (directory / HF_CONFIG).write_text((source / CONFIG).read_text())
+        if (source / TOKENIZER).is_file():
+            shutil.copyfile(source / TOKENIZER, directory / TOKENIZER)
+
+    _writing(out, lambda: replace_directory(out, write))
     return model.config
+
+
+def _refusal(source: pathlib.Path, out: pathlib.Path, overwrite: bool) -> str:
+    """Why `out` may not take the import of `source`, e.g. `it holds an import (model, model.yaml, ...)` unless
+    `overwrite`; "" when it is new or empty."""
+    if out.is_file():
+        return "it is a file; choose a directory"
+    if out == source or out in source.parents:
+        return f"it holds {source}, the directory imported; choose another directory"
+    names = sorted(child.name for child in out.iterdir()) if out.is_dir() else []
+    if not names or overwrite:
+        return ""
+    what = "an import" if set(names) & set(IMPORTED) else "files an import does not write"
+    return (
+        f"it holds {what} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}). Choose an empty or new "
+        f"directory, or pass --overwrite to replace everything in it"
+    )
+
+
+def _writing(path: pathlib.Path, write: Callable[[], T]) -> T:
+    """write(), whose failure to write (OSError, SafetensorError: a full or read-only disk) raises OutputError naming
+    `path`, left as it was; the traceback goes to the library log."""
+    try:
+        return write()
+    except (OSError, SafetensorError) as error:
+        library_log.note("".join(traceback.format_exception(error)))
+        raise OutputError(
+            f"writing {path} failed ({_cause(error)}); {path} is left as it was. Free space or choose another "
+            f"directory, then run the same command again"
+        ) from None
+
+
+def _cause(error: Exception) -> str:
+    """Why a write failed, in one line: an OSError's strerror (`No space left on device`), the message in
+    safetensors' `IoError(Os { ..., message: "..." })`, else the error's own text."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    message = re.search(r'message: "([^"]*)"', str(error))
+    return message[1] if message else " ".join(str(error).split())
 
 
 def checkpoint_config(step_dir: pathlib.Path, config_path: str | pathlib.Path | None = None) -> ModelConfig:
@@ -84,8 +149,8 @@ def export_checkpoint(
     """CHECKPOINT's parameters (its newest readable step, see `newest_readable`) -> a Hugging Face directory, written
     whole beside it and swapped in (save_pretrained). `hf_config` (default: the config.json the checkpoint came
     with, train.origin) gives the token ids, and max_position_embeddings unless the model states its own; the
-    tokenizer.json it came with is copied. Returns the directory read, the shard file names and notes on what
-    differs from the imported config.json."""
+    tokenizer.json it came with is copied. A failed write raises OutputError (`_writing`). Returns the directory
+    read, the shard file names and notes on what differs from the imported config.json."""
     step_dir, model = newest_readable(checkpoint, lambda directory: _read_model(directory, config_path))
     source = pathlib.Path(hf_config) if hf_config else origin_file(step_dir, HF_CONFIG)
     original = json.loads(source.read_text()) if source else {}
@@ -99,13 +164,16 @@ def export_checkpoint(
             f"max_position_embeddings is {positions} (the model's, as fine-tuned), not {imported} as in {source}"
         )
     tokenizer = origin_file(step_dir, TOKENIZER)
-    names = save_pretrained(
-        model,
-        hf_dir,
-        max_shard_bytes=max_shard_bytes,
-        extra_config=extra,
-        extra_files=(tokenizer,) if tokenizer else (),
-        overwrite=overwrite,
+    names = _writing(
+        pathlib.Path(hf_dir).absolute(),
+        lambda: save_pretrained(
+            model,
+            hf_dir,
+            max_shard_bytes=max_shard_bytes,
+            extra_config=extra,
+            extra_files=(tokenizer,) if tokenizer else (),
+            overwrite=overwrite,
+        ),
     )
     return step_dir, names, notes
 
@@ -133,6 +201,9 @@ def main(argv=None) -> int:
     load.add_argument(
         "--allow-unused", action="store_true", help="import even when the model would not read some tensors"
     )
+    load.add_argument(
+        "--overwrite", action="store_true", help="replace everything in out, e.g. an earlier import, tokenizer included"
+    )
     save = commands.add_parser("export", help="checkpoint -> Hugging Face directory")
     save.add_argument("checkpoint", help="an import's output, a run's checkpoints/<step>, or checkpoints/ (newest)")
     save.add_argument("hf_dir", help="output directory for config.json and safetensors shards")
@@ -153,7 +224,9 @@ def main(argv=None) -> int:
     library_log.install()
     try:
         if args.command == "import":
-            config = import_checkpoint(args.hf_dir, args.out, args.dtype, allow_unused=args.allow_unused)
+            config = import_checkpoint(
+                args.hf_dir, args.out, args.dtype, allow_unused=args.allow_unused, overwrite=args.overwrite
+            )
             print(f"imported {config.num_layers}-layer {config.family} to {args.out}")
         else:
             step_dir, names, notes = export_checkpoint(
@@ -167,11 +240,11 @@ def main(argv=None) -> int:
             print(f"exported {_described(step_dir)} to {args.hf_dir}: {len(names)} shard(s)")
             for note in notes:
                 print(f"note: {note}")
-    except (ValueError, FileNotFoundError, ConfigError, CheckpointError) as error:
+    except (ValueError, FileNotFoundError, ConfigError, CheckpointError, OutputError) as error:
         print(f"error: {error}{library_log.mention()}", file=sys.stderr)
         return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(leave(main()))

@@ -1,8 +1,9 @@
-"""What the checkpointing libraries report goes to a file, not the screen: orbax's and absl's log records and the
-exceptions Python can only print ("Exception ignored in ...", TensorStore's failed reads), which a damaged
-checkpoint or a failed save produce by the hundred. The file is RUN/library.log once a run has its directory
-(`move_to`), before that and for the other commands longctx-<pid>.log in the system's temp directory, made at the
-first message. The screen keeps the project's own lines, which name the file (`mention`) when it holds something.
+"""What the checkpointing libraries report goes to a file, not the screen: orbax's and absl's log records, asyncio's
+(a read orbax abandoned: "Task exception was never retrieved") and the exceptions Python can only print
+("Exception ignored in ...", TensorStore's failed reads), which a damaged checkpoint or a failed save produce by the
+hundred. The file is RUN/library.log once a run has its directory (`move_to`), before that and for the other
+commands longctx-<pid>.log in the system's temp directory, made at the first message. The screen keeps the
+project's own lines, which name the file (`mention`) when it holds something.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 import tempfile
 import traceback
 
-LIBRARIES = ("absl", "orbax", "tensorstore")
+LIBRARIES = ("absl", "asyncio", "orbax", "tensorstore")
 FILE_NAME = "library.log"
 
 

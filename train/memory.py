@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from models.remat import check_policy
+from parallel.experts import expert_axes, ragged_as_capacity
 from parallel.mesh import batch_sharding, make_mesh
 from parallel.planning import make_plan
 from train.config import Config, check_built_mesh
@@ -131,12 +132,21 @@ def abstract_batch(config: Config, mesh) -> dict:
     return {key: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for key, dtype in BATCH_FIELDS.items()}
 
 
+def as_capacity(settings, model, mesh):
+    """The parallel settings with the capacity dispatch in place of the ragged one, its buffers of the same size."""
+    sources = math.prod(mesh.shape[axis] for axis in expert_axes(mesh, model.num_experts))
+    factor = math.inf if settings.expert_capacity_factor is None else settings.expert_capacity_factor
+    factor = ragged_as_capacity(factor, model.experts_per_token, model.num_experts, sources)
+    return dataclasses.replace(settings, expert_dispatch="capacity", expert_capacity_factor=factor)
+
+
 def plan_memory(config: Config, devices=None) -> MemoryPlan:
     """Compiles the configured train step for the mesh over `devices` (default: all; compile-only GPUs too) on
     abstract state and batch, and returns the bytes per device (`compute.dtype=auto` planned as bfloat16, see
     for_accelerator). The attention kernel and expert dispatch are resolved for the devices' platform; on CPU the
-    ragged expert dispatch is planned as the capacity dispatch, whose buffers have the same size, and the Pallas
-    and cuDNN attention kernels as the blockwise one, which holds the same per-block temporaries."""
+    ragged expert dispatch (and auto's, ragged on a GPU) is planned as the capacity dispatch with buffers of the same
+    size, and the Pallas and cuDNN attention kernels as the blockwise one, which holds the same per-block
+    temporaries."""
     config = for_accelerator(config)
     mesh = make_mesh(config.mesh, devices)
     check_built_mesh(config, mesh)
@@ -144,8 +154,9 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     platform = device.platform
     check_policy(config.compute.remat_policy, platform)
     parallel_config = config.parallel
-    if platform == "cpu" and parallel_config.expert_dispatch == "ragged":
-        parallel_config = dataclasses.replace(parallel_config, expert_dispatch="capacity")
+    # auto: ragged on the GPUs a plan is for
+    if platform == "cpu" and parallel_config.expert_dispatch in ("ragged", "auto") and config.model.num_experts:
+        parallel_config = as_capacity(parallel_config, config.model, mesh)
     if platform == "cpu" and parallel_config.attention_kernel in ("pallas", "cudnn"):
         parallel_config = dataclasses.replace(parallel_config, attention_kernel="blockwise")
     tx = make_optimizer(config.optimizer, config.train.steps)

@@ -52,13 +52,13 @@ class Timeouts:
         return int(self.peer + 2 * self.interval + 30)
 
 
-def resume_hint(checkpoints: pathlib.Path | None) -> str:
-    """How to resume: from the newest complete checkpoint under `checkpoints`, if any."""
+def resume_hint(checkpoints: pathlib.Path | None, who: str = "every process with ") -> str:
+    """How to resume: from the newest complete checkpoint under `checkpoints`, if any; `who` reruns."""
     found = checkpoints.iterdir() if checkpoints and checkpoints.is_dir() else ()
     steps = [int(path.name) for path in found if path.name.isdigit()]
     if not steps:  # complete checkpoints only: orbax writes a step under a temporary name and renames it
-        return "No checkpoint is saved yet: rerunning every process with the same command starts over"
-    return f"Rerun every process with the same command to resume from step {max(steps)} ({checkpoints})"
+        return f"No checkpoint is saved yet: rerunning {who}the same command starts over"
+    return f"Rerun {who}the same command to resume from step {max(steps)} ({checkpoints})"
 
 
 class Watchdog:

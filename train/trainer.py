@@ -8,6 +8,7 @@ save, a stop. Any other step's are checked for a non-finite loss while the next 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -22,7 +23,7 @@ from flax import nnx
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding, process_rows
 from parallel.planning import to_layout
-from train import library_log, peers
+from train import divergence, library_log, peers, stall
 from train.config import Config, to_dict
 from train.errors import CheckpointError, NonFiniteLoss
 from train.flops import Peak, batch_flops, peak_flops_per_device
@@ -141,6 +142,7 @@ class Trainer:
         )
         self.window = Window()
         self.last: dict = {}  # the last logged step's metrics
+        self.unhealthy: set[int] = set()  # steps whose state gave a non-finite loss or all-zero gradients next
 
     def run(self) -> dict:
         """Trains to train.steps (a signal: saves and raises SystemExit(128 + signal)), samples; returns the last
@@ -167,7 +169,10 @@ class Trainer:
         for step in range(self.start + 1, self.cadence.steps + 1):
             batch = next(self.train_iter)
             flops = batch_flops(self.config.model, batch["segment_ids"])  # on the host while the last step runs
-            self.state, metrics = self.train_step(self.state, self._device_batch(batch))
+            batch = self._device_batch(batch)
+            # the first dispatch compiles; a later one may wait for the devices
+            with stall.waiting(f"step {step}") if step > self.start + 1 else contextlib.nullcontext():
+                self.state, metrics = self.train_step(self.state, batch)
             peers.step_finished(step)  # dispatched: a hung collective blocks the loop within two steps
             if pending:
                 self._record(*pending)
@@ -197,7 +202,8 @@ class Trainer:
         is then never saved), counts it in the window (`flops`: its batch's model FLOPs) and, at a log step, writes
         its metrics: the learning rate its update used, rates when a step of the window was timed, and the
         evaluation at an evaluation step (of the state after it: `step` is the last step dispatched)."""
-        values = {key: float(value) for key, value in jax.device_get(metrics).items()}
+        with stall.waiting(f"step {step}"):
+            values = {key: float(value) for key, value in jax.device_get(metrics).items()}
         self._check_finite(step, values)
         now = time.perf_counter()
         self.window.finished(now, flops)
@@ -213,16 +219,15 @@ class Trainer:
         self.window.restart()
 
     def _check_finite(self, step: int, values: dict[str, float]) -> None:
+        if not divergence.healthy(values):
+            self.unhealthy.add(step - 1)  # the state step ran on
         if math.isfinite(values["loss"]) and math.isfinite(values["grad_norm"]):
             return
+        saved, directory = [], None
         if self.checkpoints:
             self.checkpoints.wait()
-        kept = self.checkpoints.manager.latest_step() if self.checkpoints else None
-        raise NonFiniteLoss(
-            f"not finite at step {step}: loss {values['loss']}, grad_norm {values['grad_norm']}; stopped without "
-            f"saving this state. Last good checkpoint: {'none' if kept is None else f'step {kept}'} in "
-            f"{self.output / 'checkpoints'}. Try a lower optimizer.learning_rate or optimizer.clip_norm > 0."
-        )
+            saved, directory = list(self.checkpoints.manager.all_steps()), self.output / "checkpoints"
+        raise NonFiniteLoss(divergence.message(step, values, self.config, directory, saved, self.unhealthy))
 
     def _rates(self, now: float) -> dict[str, float]:
         """tokens_per_sec, mfu (the model FLOPs of the window's batches) and step_time over the window's timed
@@ -242,7 +247,7 @@ class Trainer:
         scores when they are on, of the current state."""
         eval_iter = iter(self.evaluation.dataset)  # from its start: every evaluation sees the same held-out batches
         batches = range(self.config.train.eval_batches)
-        sums = [jax.device_get(self.eval_step(self.state, self._device_batch(next(eval_iter)))) for _ in batches]
+        sums = [self._eval_sums(eval_iter) for _ in batches]
         eval_iter.close()
         totals, counts = (np.sum([s[i] for s in sums], axis=0) for i in (0, 1))
         losses = {"eval_loss": float(totals[0] / max(counts[0], 1.0))}
@@ -252,6 +257,12 @@ class Trainer:
         if self.evaluation.needles:
             losses.update(self.evaluation.needles(self.state[0]))
         return losses
+
+    def _eval_sums(self, eval_iter) -> tuple:
+        """The eval step's loss sums of the next held-out batch (its first call compiles; the wait is watched)."""
+        sums = self.eval_step(self.state, self._device_batch(next(eval_iter)))
+        with stall.waiting("an evaluation"):
+            return jax.device_get(sums)
 
     def _save(self, step: int) -> None:
         began = time.perf_counter()

@@ -32,7 +32,7 @@ from models.hf.spec import (
 )
 
 ARCHITECTURE = "Qwen3_5ForCausalLM"
-ROPE_TYPES = ("default",)
+ROPE_TYPES = ("default", "yarn")  # yarn: what a 128K fine-tune extends the rope with (models/config.py)
 # config.json keys whose other values our model cannot represent -> the value it needs (written on export)
 REQUIRED = {"hidden_act": "silu", "attention_bias": False}
 # Qwen3_5TextConfig's values for the keys a config.json may leave out
@@ -89,7 +89,7 @@ def text_config_from_hf(hf: dict, family: str, architecture: str, **fields) -> M
         REQUIRED,
         None,
         **FIELDS,
-        **rope_from_hf({"rope_parameters": params}, architecture, ROPE_TYPES),
+        **rope_from_hf({**hf, "rope_parameters": params}, architecture, ROPE_TYPES),
         partial_rotary_factor=float(partial),
         layer_types=layer_types(hf),
         max_position_embeddings=hf["max_position_embeddings"],
@@ -108,9 +108,8 @@ def text_config_to_hf(config: ModelConfig, architecture: str, model_type: str) -
     written out; the feed-forward's keys are the caller's)."""
     check_fields(config, FIELDS, architecture)
     hf = gqa.config_to_hf(config, architecture, model_type, ROPE_TYPES)
-    del hf["rope_scaling"]  # None: the default rope
     rope = {
-        "rope_type": "default",
+        **(hf.pop("rope_scaling") or {"rope_type": "default"}),
         "rope_theta": hf.pop("rope_theta"),
         "partial_rotary_factor": config.partial_rotary_factor,
     }

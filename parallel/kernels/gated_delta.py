@@ -4,8 +4,9 @@
 
 and that a document start resets (S_{t-1} := 0 where the segment id changes), so packed rows never leak state.
 
-Chunks of `chunk` tokens: inside a chunk every token-to-token term is a matmul (the WY form: one unit lower triangular
-solve gives w and u, with u - w S the chunk's corrected values), and one scan over the chunks carries S. A reset is
+Chunks of `chunk` tokens: inside a chunk every token-to-token term is a matmul (the WY form: the inverse of one unit
+lower triangular matrix gives w and u, with u - w S the chunk's corrected values), and one scan over the chunks
+carries S. A reset is
 the limit g_t -> -inf, written as masks (decay factors of token pairs in different documents are 0; the chunk's
 incoming state reaches only tokens of the document it belongs to), so nothing computes -inf - -inf. Everything runs
 in float32 (float64 when given float64, to check the float32 results against). Memory is O(length) with a small
@@ -118,9 +119,8 @@ def _terms(values: dict, runs: dict, outputs: bool, dtype: jnp.dtype) -> dict:
 
     strict = jnp.tril(jnp.ones((chunk, chunk), bool), -1)
     kk = jnp.where(strict, (beta[..., None] * k) @ jnp.swapaxes(k, -1, -2) * pair, 0.0)
-    eye = jnp.eye(chunk, dtype=dtype)
     rhs = jnp.concatenate([beta[..., None] * k * from_start[..., None], beta[..., None] * v], axis=-1)
-    wu = jax.scipy.linalg.solve_triangular(eye + kk, rhs, lower=True, unit_diagonal=True)
+    wu = unit_lower_inverse(kk) @ rhs
     dk = k.shape[-1]
     terms = dict(
         w=wu[..., :dk],
@@ -131,6 +131,21 @@ def _terms(values: dict, runs: dict, outputs: bool, dtype: jnp.dtype) -> dict:
     if outputs:
         terms["q"], terms["qk"] = q * from_start[..., None], q @ jnp.swapaxes(k, -1, -2) * pair
     return terms
+
+
+def unit_lower_inverse(strict):
+    """strict: [..., n, n] strictly lower triangular -> (I + strict)^-1 [..., n, n], by halves (the inverse of
+    [[A, 0], [C, B]] is [[A^-1, 0], [-B^-1 C A^-1, B^-1]]): log2(n) levels of batched matmuls. Not a triangular
+    solve: XLA:CPU's runs its batch on the thread pool the devices' own threads are blocked on, a deadlock with
+    several devices."""
+    n = strict.shape[-1]
+    if n == 1:
+        return jnp.ones_like(strict)
+    h = n // 2
+    upper, lower = unit_lower_inverse(strict[..., :h, :h]), unit_lower_inverse(strict[..., h:, h:])
+    corner = -lower @ strict[..., h:, :h] @ upper
+    top = jnp.concatenate([upper, jnp.zeros((*strict.shape[:-2], h, n - h), strict.dtype)], axis=-1)
+    return jnp.concatenate([top, jnp.concatenate([corner, lower], axis=-1)], axis=-2)
 
 
 def affine_map(k, v, g, beta, seg, *, start_seg, chunk: int = CHUNK):

@@ -3,12 +3,17 @@ YaRN factor = target / the original context), kept when the model covers it, ref
 context the model was trained at or what the model covers is not stated."""
 
 import dataclasses
+import pathlib
 
 import numpy as np
 import pytest
 
 from layers.rope import RopeScalingConfig, inverse_frequencies, stretch_scaling
 from models.config import ConfigError, ModelConfig, covered_context, extend_context
+from models.hf.families import for_export
+from train.config import load_config
+
+MODELS = sorted((pathlib.Path(__file__).resolve().parents[2] / "configs" / "models").glob("*.yaml"))
 
 LLAMA31 = RopeScalingConfig(type="llama3", factor=8.0, original_max_position_embeddings=8192)
 V3_YARN = RopeScalingConfig(type="yarn", factor=40.0, original_max_position_embeddings=4096, mscale_all_dim=1.0)
@@ -105,3 +110,14 @@ def test_stretched_low_frequencies_turn_at_the_target_as_the_original_did_at_its
         assert stretched[0] == plain[0]
     with pytest.raises(ValueError, match="llama3, yarn, linear, not 'none'"):
         stretch_scaling(RopeScalingConfig(), 256, 4096, "none")
+
+
+@pytest.mark.parametrize("path", MODELS, ids=[path.stem for path in MODELS])
+def test_every_shipped_model_stretched_past_its_context_exports(path):
+    """What a long-context fine-tune derives, every family's Hugging Face config can hold: the run can leave."""
+    m = load_config(path).model
+    covered = covered_context(m) or 131072
+    stretched, _ = extend_context(dataclasses.replace(m, max_position_embeddings=covered, context_length=2 * covered))
+    assert stretched.rope_scaling.type != "none"
+    hf = for_export(stretched).config_to_hf(stretched)
+    assert (hf.get("rope_parameters") or hf.get("rope_scaling"))["factor"] >= 2.0

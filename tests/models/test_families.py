@@ -106,8 +106,8 @@ GPT_OSS = dataclasses.replace(
 )
 # both attention features at once, for tensor parallelism (features are fields, whatever the family)
 BIASED_NORMED = dataclasses.replace(DENSE, family="qwen2", qkv_bias=True, qk_norm=True)
-# capacity factor num_experts / experts_per_token: expert parallelism drops nothing
-RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)
+# the default dispatch: expert parallelism drops nothing
+RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8)
 PLAIN = ParallelConfig(block_q=8, block_kv=8)
 # the other context strategies, with the mesh each takes: the windowed, sink-carrying families run under each
 STRATEGIES = {
@@ -188,9 +188,7 @@ def newest(*case):
         newest(WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
         (GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
         newest(GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
-        newest(
-            GPT_OSS, MeshConfig(fsdp=2, tensor=4), dataclasses.replace(PLAIN, expert_capacity_factor=4.0), packed_batch
-        ),
+        newest(GPT_OSS, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
         # all_gather and ulysses with windows and sinks: tests/parallel/test_strategy_windows.py; here slow
         *(
             newest(GPT_OSS, *STRATEGIES[name], long_document_batch)

@@ -5,6 +5,7 @@ on packed rows (each document's logits as transformers gives them for that docum
 Qwen3_5ForConditionalGeneration imports with its vision tower and multi-token-prediction tensors skipped."""
 
 import copy
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
+from layers.rope import RopeScalingConfig
 from models.config import FULL, LINEAR
 from models.hf import load_pretrained
 from parallel.plan import Plan, use_plan
@@ -46,6 +48,15 @@ def test_import_and_export_match_transformers(tmp_path):
     assert_case_round_trips(tmp_path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, TEXT, expected)
 
 
+def test_a_yarn_rope_imports_and_exports(tmp_path):
+    """What a 128K fine-tune extends the rope with (configs/finetune-128k.yaml) leaves as a Qwen3.5 model."""
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16, rope_theta=1e4, beta_fast=32.0)
+    yarn["beta_slow"] = 1.0  # as written on export: the values transformers takes when they are left out
+    fields = dict(TEXT, rope_parameters=dict(yarn, partial_rotary_factor=0.25), max_position_embeddings=64)
+    scaling = RopeScalingConfig(type="yarn", factor=4.0, original_max_position_embeddings=16, mscale=0.0)
+    assert_case_round_trips(tmp_path, Qwen3_5TextConfig, Qwen3_5ForCausalLM, fields, dict(rope_scaling=scaling))
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(transformers' tiny Qwen3_5ForCausalLM, ours imported from it)."""
@@ -56,12 +67,17 @@ def tiny(tmp_path_factory):
 
 
 def test_rows_split_over_8_context_devices_give_transformers_logits(tiny):
-    reference, model = tiny
+    assert_split_rows_match(*tiny, Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8))
+
+
+def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True) -> None:
+    """`model`'s logits with rows split over 8 context devices in `plan` (one long document; two packed) equal
+    transformers' `reference` (run in float64 when `float64`) for each document alone, to 1e-4."""
     length, shards, first = 48, 8, 29  # the packed row: a document of 29 tokens, then one of 19
     ids = np.random.default_rng(0).integers(0, SIZES["vocab_size"], size=(2, length)).astype(np.int32)
     positions = np.stack([np.arange(length), np.concatenate([np.arange(first), np.arange(length - first)])])
     segments = np.stack([np.ones(length), np.repeat([1, 2], [first, length - first])]).astype(np.int32)
-    in_float64 = copy.deepcopy(reference).double()  # transformers' float32 is about as far from it as ours
+    in_float64 = copy.deepcopy(reference).double() if float64 else reference  # its float32 is as far as ours
     exact = lambda x: hf_logits(in_float64, x)
     documents = np.concatenate([exact(ids[1:, :first]), exact(ids[1:, first:])], axis=1)  # each document alone
     expected = np.concatenate([exact(ids[:1]), documents])
@@ -74,7 +90,7 @@ def test_rows_split_over_8_context_devices_give_transformers_logits(tiny):
         out = nnx.merge(graph, state)(balanced(ids), balanced(positions), balanced(segments))
         return from_balanced(out, shards, layout="dual_chunk")
 
-    with jax.set_mesh(mesh), use_plan(Plan(strategy="ring", layout="dual_chunk", mesh=mesh, block_q=8, block_kv=8)):
+    with jax.set_mesh(mesh), use_plan(dataclasses.replace(plan, mesh=mesh)):
         actual = np.asarray(jax.jit(logits)(state, ids, positions, segments))
     assert np.abs(expected).max() > 1.0
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)

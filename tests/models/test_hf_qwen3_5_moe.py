@@ -23,9 +23,10 @@ from transformers import (
 from models.config import FULL, LINEAR
 from models.hf import load_pretrained
 from models.hf.families import by_architecture
+from parallel.planning import make_plan
 from tests.models import test_hf_qwen3_5
 from tests.models.hf_reference import SIZES, assert_case_round_trips, hf_logits, save_random
-from train.config import load_config
+from train.config import ParallelConfig, load_config
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
@@ -54,6 +55,23 @@ def test_qwen3_next_imports_and_exports_as_transformers(tmp_path):
     fields = dict(TEXT, mlp_only_layers=[0], norm_topk_prob=False)
     expected = dict(EXPECTED, family="qwen3_next", first_dense_layers=1, norm_topk_prob=False)
     assert_case_round_trips(tmp_path, Qwen3NextConfig, Qwen3NextForCausalLM, fields, expected)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_5_moe", "qwen3_next"])
+def test_rows_over_ring_8_with_the_default_dispatch_give_transformers_logits(tmp_path, architecture):
+    """8 experts, one per token, one per context device, dispatched by the defaults (CPU: capacity): a buffer of
+    1.25 x the balanced load would drop assignments here; the default drops none."""
+    torch.manual_seed(0)
+    config, causal_lm, fields = {
+        "qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM, TEXT),
+        "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM, dict(TEXT, mlp_only_layers=[0], norm_topk_prob=False)),
+    }[architecture]
+    fields = dict(fields, num_experts=8, num_experts_per_tok=1)
+    reference = save_random(causal_lm(config(**SIZES, initializer_range=0.1, **fields)), tmp_path)
+    plan = make_plan(ParallelConfig(context_strategy="ring", block_q=8, block_kv=8), {"context": 8})
+    assert plan.expert_dispatch == "capacity"
+    # torch's grouped experts have no float64
+    test_hf_qwen3_5.assert_split_rows_match(reference, load_pretrained(tmp_path), plan, float64=False)
 
 
 def test_load_balancing_loss_is_transformers_aux_loss(tmp_path):

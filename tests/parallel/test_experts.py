@@ -4,6 +4,7 @@ ragged dispatch, chunked); drops equal a NumPy reference; the ragged dispatch's 
 under ragged all-to-all's documented semantics."""
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from layers.moe import MoE
-from parallel.experts import capacity, expert_axes, ragged_layout
+from parallel.experts import capacity, expert_axes, ragged_as_capacity, ragged_layout, receive_rows
 from parallel.mesh import MeshError, make_mesh, state_shardings
 from parallel.plan import Plan, use_plan
 from parallel.planning import expert_dispatch
@@ -341,3 +342,12 @@ def test_kernels_are_stored_split_over_the_expert_axes():
     mesh = make_mesh(MeshConfig(fsdp=2, expert=2, tensor=2))
     spec = state_shardings(nnx.state(moe), mesh)["experts_gate"].get_value().spec
     assert spec == PartitionSpec(("expert", "tensor"), "fsdp", None)
+
+
+@pytest.mark.parametrize("n, k, experts, sources", [(1024, 8, 256, 16), (4096, 8, 128, 16), (2048, 4, 32, 8)])
+def test_a_cpu_plan_of_the_ragged_dispatch_holds_its_buffers(n, k, experts, sources):
+    """Dropless and with a factor, the capacity dispatch that stands in for the ragged one in a CPU plan receives as
+    many rows per device: experts x C = the ragged receive buffer."""
+    for factor in (math.inf, 1.25):
+        stand_in = capacity(n, k, experts, ragged_as_capacity(factor, k, experts, sources))
+        assert experts * stand_in == pytest.approx(receive_rows(n, k, factor, sources, experts // sources), rel=1e-3)

@@ -1,9 +1,12 @@
-"""Export writes a whole Hugging Face set beside its directory and swaps it in: an interruption (an error, a kill)
-leaves the previous export loadable, and a directory that holds another model is refused unless --overwrite, which
-replaces everything in it."""
+"""Export writes a whole Hugging Face set beside its directory and swaps it in: an interruption (an error, a kill, a
+full disk) leaves the previous export loadable, and a directory that holds another model is refused unless
+--overwrite, which replaces everything in it. A full disk ends the command in one line naming the library log, which
+holds the traceback."""
 
 import dataclasses
+import errno
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -12,12 +15,24 @@ import time
 import numpy as np
 import pytest
 from flax import nnx
+from safetensors import SafetensorError
 
 import models
 from models.hf import convert, load_pretrained, save_pretrained
 from tests.tiny_models import TINY_LLAMA
 from tests.train.tiny_run import REPO
 from train import hf as cli
+from train import library_log
+
+
+@pytest.fixture
+def library_file(tmp_path, monkeypatch) -> pathlib.Path:
+    """The library log's file for one test, tmp_path/library.log: what the test leaves there stays out of the error
+    lines of the tests after it in this process."""
+    path = tmp_path / "library.log"
+    monkeypatch.setattr(library_log._log, "path", path)
+    monkeypatch.setattr(library_log._log, "written", False)
+    return path
 
 
 def tiny(seed: int, **changes) -> nnx.Module:
@@ -78,6 +93,40 @@ def test_cli_refuses_another_model_in_one_line(tmp_path, capsys):
     assert "\n" not in error and "generation_config.json" in error and "--overwrite" in error
     assert cli.main(["export", str(tmp_path / "imported"), str(tmp_path / "mistral"), "--overwrite"]) == 0
     assert sorted(os.listdir(tmp_path / "mistral")) == ["config.json", "model.safetensors"]
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [
+        SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+        ),
+        OSError(errno.ENOSPC, "No space left on device"),
+    ],
+    ids=["safetensors", "os"],
+)
+def test_a_full_disk_is_one_line_and_leaves_the_previous_export(tmp_path, capsys, monkeypatch, library_file, failure):
+    save_pretrained(tiny(0), tmp_path / "hf")
+    assert cli.main(["import", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    out = tmp_path / "out"
+    assert cli.main(["export", str(tmp_path / "imported"), str(out)]) == 0
+    before = sorted(os.listdir(out)), embedding(out)
+
+    def full(tensors, file, metadata):
+        raise failure
+
+    monkeypatch.setattr(convert, "save_file", full)
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path / "imported"), str(out)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert error.startswith(f"error: writing {out} failed (No space left on device); {out} is left as it was. ")
+    assert error.endswith(f" (library messages: {library_file})\n")
+    log = library_file.read_text()
+    assert "Traceback" in log and f"{type(failure).__name__}: " in log
+    assert sorted(os.listdir(out)) == before[0]
+    np.testing.assert_array_equal(embedding(out), before[1])
+    assert sorted(os.listdir(tmp_path)) == ["hf", "imported", "library.log", "out"]
 
 
 SLOW_EXPORT = """

@@ -1,7 +1,7 @@
 """Bad input stops with a typed one-paragraph error naming the file or key, never a traceback: YAML syntax errors
-(file, line, column), a `base:` that is not a path, a data.tokenizer that is not a tokenizer.json, a mesh.tensor
-(also resolved from -1) that does not divide the heads, a truncated .safetensors import, a Parquet file without
-the text column."""
+(file, line, column), a key a YAML file gives twice (file, key, both lines), a `base:` that is not a path, a
+data.tokenizer that is not a tokenizer.json, a mesh.tensor (also resolved from -1) that does not divide the heads, a
+truncated .safetensors import, a Parquet file without the text column."""
 
 import pathlib
 import re
@@ -16,6 +16,7 @@ from models.hf import save_pretrained
 from models.hf.reader import SafetensorsError, SafetensorsFile
 from parallel.mesh import MeshError
 from parallel.planning import check_tensor
+from tests.train.test_config import fake_import
 from train import hf
 from train.__main__ import main
 from train.config import ConfigError, DataConfig, ModelConfig, load_config
@@ -52,6 +53,46 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path, through_base):
 def test_yaml_syntax_error_in_an_override_names_it():
     with pytest.raises(ConfigError, match=r"override 'train.steps=\[1' is not valid YAML: line 1, column 3"):
         load_config(TINY, ["train.steps=[1"])
+
+
+@pytest.mark.parametrize(
+    "files, key, lines",
+    [
+        ({"run.yaml": f"base: {TINY}\ntrain:\n  steps: 5\n  batch_size: 4\n  steps: 7\n"}, "steps", "lines 3 and 5"),
+        ({"run.yaml": f"base: {TINY}\ntrain: {{steps: 5, steps: 7}}\n"}, "steps", "line 2, columns 9 and 19"),
+        ({"run.yaml": f"base: {TINY}\ntrain:\n  steps: 5\ntrain:\n  batch_size: 4\n"}, "train", "lines 2 and 4"),
+        (
+            {"run.yaml": f"base: [{TINY}, model.yaml]\n", "model.yaml": "model:\n  num_layers: 2\n  num_layers: 3\n"},
+            "num_layers",
+            "lines 2 and 3",
+        ),
+    ],
+    ids=["key", "flow", "section", "in-a-base"],
+)
+def test_a_key_given_twice_names_the_file_the_key_and_both_lines(tmp_path, capsys, files, key, lines):
+    for name, text in files.items():
+        write(tmp_path / name, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "run.yaml")
+    assert str(info.value) == (
+        f"config {tmp_path / list(files)[-1]}: key '{key}' is given twice in one mapping ({lines}); YAML would keep "
+        "only the last: give it once"
+    )
+    assert main([str(tmp_path / "run.yaml")]) == 2
+    assert error_line(capsys) == f"error: {info.value}"
+
+
+def test_a_key_given_twice_in_an_import_s_model_yaml_is_named(tmp_path):
+    imported = fake_import(tmp_path / "imported")
+    model = imported / "model.yaml"
+    model.write_text(model.read_text().replace("model:\n", "model:\n  num_layers: 9\n", 1))
+    recipe = write(tmp_path / "recipe.yaml", f"model_from_init: true\ncheckpoint: {{init_from: {imported}}}\n")
+    line = 1 + model.read_text().splitlines().index("  num_layers: 2")
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(f"config {model}: key 'num_layers' is given twice in one mapping (lines 2 and {line})"),
+    ):
+        load_config(recipe)
 
 
 @pytest.mark.parametrize("base", ["5", "[models/tiny.yaml, 5]", "{a: 1}"])

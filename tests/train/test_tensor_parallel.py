@@ -44,8 +44,8 @@ DEEPSEEK = ModelConfig(
     router_aux_loss_coef=0.1,
     router_aux_loss_scope="sequence",
 )
-# capacity factor num_experts / experts_per_token: expert parallelism drops nothing
-RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8, expert_capacity_factor=4.0)
+# the default dispatch: expert parallelism drops nothing
+RING = ParallelConfig(context_strategy="ring", block_q=8, block_kv=8)
 PLAIN = ParallelConfig(block_q=8, block_kv=8)
 
 

@@ -17,6 +17,7 @@ from flax import nnx
 from models.hf.convert import abstract_model
 from tests.train import tiny_run
 from tests.train.tiny_run import records
+from train import divergence
 from train.checkpoint import Checkpointer, restore_model_params
 from train.config import ConfigError, load_config
 from train.errors import CheckpointError, NonFiniteLoss
@@ -151,12 +152,31 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
                 "train.eval_batches=0",
             )
         )
-    match = re.match(r"not finite at step (\d+): loss .* Last good checkpoint: step (\d+) ", str(info.value))
-    assert match and int(match[2]) == int(match[1]) - 1 >= 1, str(info.value)
-    assert "optimizer.learning_rate" in str(info.value)
+    failed = int(re.match(r"not finite at step (\d+): ", str(info.value))[1])
+    assert f"Last good checkpoint: none (step {failed - 1} saved the states that gave a non-finite loss" in str(
+        info.value
+    ), str(info.value)  # step 1's update already broke the model: the checkpoint after it is no good
+    assert "set optimizer.clip_norm > 0 (e.g. 1.0; now 0: no clipping) or lower optimizer.learning_rate" in str(
+        info.value
+    )
     checkpoints = Checkpointer(tmp_path / "checkpoints", keep=3)
-    assert checkpoints.manager.latest_step() == int(match[2])
+    assert checkpoints.manager.latest_step() == failed - 1  # kept, not deleted
     checkpoints.close()
+
+
+def test_the_last_good_checkpoint_is_one_whose_state_trained():
+    config = load_config(tiny_run.TINY, SMALL)
+    unhealthy = {6, 7}  # the states steps 7 and 8 ran on: a collapsed model (zero gradients), then NaN
+    assert not divergence.healthy({"loss": 5.5, "grad_norm": 0.0})
+    line = divergence.message(
+        8, {"loss": float("nan"), "grad_norm": 0.0}, config, pathlib.Path("c"), [4, 6, 7], unhealthy
+    )
+    assert line == (
+        "not finite at step 8: loss nan, grad_norm 0.0; stopped without saving this state. Last good checkpoint: step "
+        "4 in c (steps 6, 7 saved the states that gave a non-finite loss or all-zero gradients: move them aside to "
+        "resume from it). Then: lower optimizer.learning_rate (now 0.003) or raise optimizer.warmup_steps (now 5); "
+        "gradients are clipped to 1."
+    )
 
 
 def copy_run(trained, tmp_path) -> pathlib.Path:

@@ -8,9 +8,8 @@ import json
 import pathlib
 import typing
 
-import yaml
-
 from models.config import require
+from train.config.strict_yaml import parse_yaml
 
 MODEL_FROM_INIT = "model_from_init"
 MODEL_YAML = "model.yaml"
@@ -46,8 +45,8 @@ def _read_model(path: pathlib.Path, init_from: str) -> dict:
         f"the model (base: a configs/models/*.yaml) without {MODEL_FROM_INIT}",
     )
     try:
-        model = (yaml.safe_load(path.read_text()) or {}).get("model")
-    except (yaml.YAMLError, AttributeError):
+        model = (parse_yaml(path.read_text(), f"config {path}") or {}).get("model")
+    except AttributeError:
         model = None
     require(isinstance(model, dict), f"{path} holds no `model:` mapping; import the checkpoint again")
     return model

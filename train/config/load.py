@@ -2,9 +2,10 @@
 
 Precedence, lowest first: checkpoint.init_from's import when the config says `model_from_init: true`
 (train/config/imported.py), the config's files (each `base:` under the file that names it), command-line overrides.
-An unknown key or a value of the wrong type raises `ConfigError` naming the key, the value and what is allowed;
-`load_config` then validates the relations between values (train/config/validate.py) and extends the model to
-model.context_length (models.config.extend_context), logging how.
+A key a file states twice raises `ConfigError` naming the file, the key and both lines (train/config/strict_yaml.py),
+and an unknown key or a value of the wrong type one naming the key, the value and what is allowed; `load_config` then
+validates the relations between values (train/config/validate.py) and extends the model to model.context_length
+(models.config.extend_context), logging how.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import yaml
 from models.config import ConfigError, extend_context, require
 from train.config.imported import MODEL_FROM_INIT, MODEL_YAML, import_layer
 from train.config.schema import Config
+from train.config.strict_yaml import parse_yaml
 from train.config.validate import validate
 
 log = logging.getLogger(__name__)
@@ -33,7 +35,7 @@ def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
         raise ConfigError(f"config {path}: `base:` cycle through {[str(p) for p in seen]}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    raw = _parse_yaml(path.read_text(), f"config {path}") or {}
+    raw = parse_yaml(path.read_text(), f"config {path}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path}: top level must be a mapping, got {type(raw).__name__}")
     merged: dict = {}
@@ -41,22 +43,6 @@ def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
         _merge(merged, _read_yaml(path.parent / base, (*seen, path)))
     _merge(merged, raw)
     return merged
-
-
-def _parse_yaml(text: str, where: str) -> typing.Any:
-    """`text` read as YAML; a syntax error raises ConfigError naming `where` and the line and column."""
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        problem = getattr(error, "problem", None)
-        if problem is None:  # an error without a position, e.g. a control character in the text
-            raise ConfigError(f"{where} is not valid YAML: {' '.join(str(error).split())}") from None
-        context, start, mark = "", error.context_mark, error.problem_mark
-        if error.context and start:
-            context = f" ({error.context} from line {start.line + 1}, column {start.column + 1})"
-        raise ConfigError(
-            f"{where} is not valid YAML: line {mark.line + 1}, column {mark.column + 1}: {problem}{context}"
-        ) from None
 
 
 def _base_paths(bases: typing.Any, path: pathlib.Path) -> list[str]:
@@ -92,7 +78,7 @@ def parse_override(text: str) -> tuple[list[str], typing.Any]:
         except yaml.YAMLError:
             parsed = None
         return keys, parsed if isinstance(parsed, str) else value
-    return keys, _parse_yaml(value, f"override {text!r}") if value else ""
+    return keys, parse_yaml(value, f"override {text!r}") if value else ""
 
 
 def _field_type(keys: list[str]):

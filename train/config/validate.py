@@ -54,7 +54,7 @@ POSITIVE = (
     "checkpoint.every_steps",
     "checkpoint.keep",
     "optimizer.learning_rate",
-    "parallel.expert_capacity_factor",
+    "parallel.expert_capacity_factor",  # when set
     "parallel.stripe",
     "parallel.block_q",
     "parallel.block_kv",
@@ -91,7 +91,7 @@ def validate(config: Config) -> None:
         value = get(config, key)
         require(value in allowed, f"{key}={value!r} is not allowed; choose one of {', '.join(allowed)}")
     for key in POSITIVE:
-        require(get(config, key) > 0, f"{key}={get(config, key)!r} must be > 0")
+        require(get(config, key) is None or get(config, key) > 0, f"{key}={get(config, key)!r} must be > 0")
     for key in NON_NEGATIVE:
         require(get(config, key) >= 0, f"{key}={get(config, key)!r} must be >= 0")
     check_model(config.model)
