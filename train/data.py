@@ -1,22 +1,27 @@
 """Grain input pipeline: documents -> token ids -> packed rows of seq_len tokens -> numpy batches.
 
-    held-out split -> doc indices -> upsample long documents, shuffle + repeat (train)
-    -> mix the components of data.mixture by weight -> tokenize -> (inputs, targets)
-    -> pack (concat: split documents across rows | first_fit: cut to seq_len, pad rows)
-    -> model fields -> batch -> thread prefetch
+    held-out split (train/held_out.py) -> span indices -> upsample long documents, shuffle + repeat (train)
+    -> mix the components of data.mixture by weight -> read and tokenize a piece at a time, chunks of at most
+    seq_len tokens (train/token_stream.py) -> pack (concat: split documents across rows | first_fit: seq_len
+    pieces, pad rows; train/packing.py) -> model fields -> batch -> thread prefetch
 
 Each batch is a dict of numpy arrays, all [batch_size, seq_len]:
     tokens      int32    input ids (tokenizer.pad_id on padding)
     targets     int32    next-token ids, packed in lockstep with tokens so a target never
                          crosses a document boundary (tokenizer.pad_id on padding)
-    segment_ids int32    1, 2, ... per document piece within the row; 0 on padding
-    positions   int32    0, 1, 2, ... restarting in each segment; 0 on padding
+    segment_ids int32    1, 2, ... per document (or part of one) within the row; 0 on padding
+    positions   int32    0, 1, 2, ... from a document's start, counting on across rows; 0 on padding
     loss_mask   float32  1 where `targets` is a real next token of the same document, else 0
 
+A document is one segment however many rows it spans: bos and eos only at its real start and end, positions
+restarting only there (and at the start of a held-out tail). The pipeline holds a few pieces of about a MiB of
+text and the rows being packed, never a whole document, whatever its size.
+
 `iter(build_dataset(...))` is a grain iterator with `get_state()` / `set_state(state)`; its state
-is plain JSON (dicts, lists, ints, strings), so `json.dumps(it.get_state())` saved at step k and
+is plain JSON (dicts, ints, None), so `json.dumps(it.get_state())` saved at step k and
 `set_state(json.loads(text))` on a fresh iterator replays the following batches bit for bit.
-Everything runs in this process (a few reader threads, one prefetch thread); no workers.
+Everything runs in this process (a prefetch thread, and two threads that work out the document order ahead); no
+workers.
 """
 
 from __future__ import annotations
@@ -24,20 +29,22 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grain
 import numpy as np
 
 from train.errors import DataError
-from train.sources import Concat, Mixture, Source, open_source
+from train.held_out import Spans, splits
+from train.packing import PACKINGS, pack
+from train.sources import Mixture, Source, open_source
+from train.token_stream import Chunks
 from train.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the run config imports this module's registries
     from train.config.schema import DataConfig
 
 log = logging.getLogger(__name__)
-PACKINGS = ("concat", "first_fit")
 # the arrays of a batch, each [rows, seq_len], and their dtypes
 BATCH_FIELDS = {
     "tokens": np.int32,
@@ -48,44 +55,7 @@ BATCH_FIELDS = {
 }
 SPLITS = ("train", "eval")
 MIN_PACKING_BINS = 16  # first_fit packs into max(batch_size, this) rows at a time
-READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=32)  # document read + tokenize
 PREFETCH_BATCHES = 2
-_TUPLE = "__tuple__"  # JSON stand-in for the tuples inside grain's packer state
-
-
-def split_indices(n_docs: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Held-out split of range(n_docs): (train [n_train], eval [n_eval]) int64, each sorted.
-
-    eval gets max(1, round(n_docs * eval_fraction)) documents when eval_fraction > 0 and n_docs > 1,
-    else none; train always keeps at least one. The same arguments give the same split.
-    """
-    if not 0 <= eval_fraction < 1:
-        raise ValueError(f"eval_fraction={eval_fraction!r} must be in [0, 1)")
-    n_eval = min(max(1, round(n_docs * eval_fraction)), n_docs - 1) if eval_fraction > 0 and n_docs > 1 else 0
-    order = np.random.default_rng(seed).permutation(n_docs)
-    return np.sort(order[n_eval:]), np.sort(order[:n_eval])
-
-
-class _HeadAndTail:
-    """A one-document source as two documents: 0 is its text less the last `fraction` of its characters,
-    1 is that tail; each gets at least one character where the text has two."""
-
-    def __init__(self, source: Source, fraction: float):
-        self.source = source
-        self.fraction = fraction
-
-    def __len__(self) -> int:
-        return 2
-
-    def __getitem__(self, index: int) -> str:
-        text = self.source[0]
-        cut = len(text) - min(max(1, round(len(text) * self.fraction)), len(text) - 1)
-        return (text[:cut], text[cut:])[index]
-
-    def sizes(self) -> np.ndarray:
-        size = int(self.source.sizes()[0])
-        tail = round(size * self.fraction)
-        return np.asarray([size - tail, tail], np.int64)
 
 
 def upsample(indices: np.ndarray, long: np.ndarray, weight: float, seed: int) -> np.ndarray:
@@ -112,34 +82,7 @@ def describe_sizes(sizes: np.ndarray, long: np.ndarray, weight: float) -> str:
     )
 
 
-def held_out(source: Source, eval_fraction: float, seed: int) -> tuple[Source, np.ndarray, np.ndarray]:
-    """(documents, train indices, eval indices) into those documents, int64 [n_train] and [n_eval].
-
-    Whole documents are held out (split_indices), except from a source of one document (a single text
-    file), which no document split can serve: with eval_fraction > 0 its last eval_fraction of characters
-    are held out, as nanoGPT splits a text file (the eval split reads that tail, the train split the rest).
-    """
-    if len(source) == 1 and eval_fraction > 0:
-        return _HeadAndTail(source, eval_fraction), np.array([0]), np.array([1])
-    return source, *split_indices(len(source), eval_fraction, seed)
-
-
-def splits(source: Source, cfg: DataConfig) -> tuple[Source, list[np.ndarray], list[np.ndarray]]:
-    """(documents, train indices, eval indices): one int64 array per component into `documents` (one for a plain
-    source). Each component of a Mixture is held out on its own (held_out, seed cfg.seed + its index), so the eval
-    split keeps the mix; `documents` is then their Concat."""
-    parts = source.parts if isinstance(source, Mixture) else [source]
-    documents, train, held, offset = [], [], [], 0
-    for i, part in enumerate(parts):
-        docs, train_idx, eval_idx = held_out(part, cfg.eval_fraction, cfg.seed + i)
-        documents.append(docs)
-        train.append(train_idx + offset)
-        held.append(eval_idx + offset)
-        offset += len(docs)
-    return (Concat(documents) if isinstance(source, Mixture) else documents[0]), train, held
-
-
-def _upsampled(documents: Source, indices: np.ndarray, cfg: DataConfig, name: str) -> np.ndarray:
+def _upsampled(documents: Spans, indices: np.ndarray, cfg: DataConfig, name: str) -> np.ndarray:
     """Train `indices` with their long documents upsampled (data.long_document_*), the size histogram logged."""
     if not (cfg.long_document_bytes and cfg.long_document_weight != 1.0 and len(indices)):
         return indices
@@ -149,7 +92,7 @@ def _upsampled(documents: Source, indices: np.ndarray, cfg: DataConfig, name: st
     return upsample(indices, long, cfg.long_document_weight, cfg.seed)
 
 
-def document_weights(documents: Source, indices: Sequence[np.ndarray], byte_shares: np.ndarray) -> np.ndarray:
+def document_weights(documents: Spans, indices: Sequence[np.ndarray], byte_shares: np.ndarray) -> np.ndarray:
     """Per-component probabilities of drawing a document so that component i gets byte_shares[i] of the bytes in
     expectation: its share over its mean document size (the `indices`' sizes), normalized. [components] float64."""
     means = np.asarray([max(float(documents.sizes()[idx].mean()), 1.0) if len(idx) else 1.0 for idx in indices])
@@ -166,118 +109,21 @@ def describe_mixture(names: Sequence[str], counts: Sequence[int], shares: np.nda
     return "train mixture: " + "; ".join(parts)
 
 
-class _Tokenize:
-    """Document index -> {"inputs": ids[:-1], "targets": ids[1:]}, int32 [len - 1], with bos/eos added."""
-
-    def __init__(self, source: Source, tokenizer: Tokenizer, add_bos: bool, add_eos: bool):
-        self.source = source
-        self.tokenizer = tokenizer
-        self.prefix = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-        self.suffix = [tokenizer.eos_id] if add_eos and tokenizer.eos_id is not None else []
-
-    def __call__(self, index) -> dict[str, np.ndarray]:
-        ids = np.asarray(self.prefix + self.tokenizer.encode(self.source[int(index)]) + self.suffix, np.int32)
-        return {"inputs": ids[:-1], "targets": ids[1:]}
-
-
-def _has_input(example: dict[str, np.ndarray]) -> bool:
-    return len(example["inputs"]) > 0
-
-
-class _Pieces(grain.experimental.FlatMapTransform):
-    """Cuts an example into consecutive pieces of at most seq_len tokens (inputs and targets alike)."""
-
-    def __init__(self, seq_len: int):
-        self.seq_len = seq_len
-
-    def flat_map(self, example: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        return [
-            {key: value[start : start + self.seq_len] for key, value in example.items()}
-            for start in range(0, len(example["inputs"]), self.seq_len)
-        ]
-
-
-def pack(examples: grain.IterDataset, *, seq_len: int, packing: str, num_bins: int) -> grain.IterDataset:
-    """Packs {"inputs", "targets"} examples (int32 [n]) into rows of int32 [seq_len].
-
-    Rows carry grain's packer fields: inputs, targets and, for each, *_segment_ids and *_positions.
-    concat: documents are concatenated and split across rows (no padding until the stream ends);
-    first_fit: documents are cut to seq_len pieces and first-fit into `num_bins` rows at a time,
-    which are emitted in order and padded.
-    """
-    lengths = {"inputs": seq_len, "targets": seq_len}
-    if packing == "concat":
-        return grain.experimental.ConcatThenSplitIterDataset(examples, length_struct=lengths)
-    if packing == "first_fit":
-        pieces = grain.experimental.FlatMapIterDataset(examples, _Pieces(seq_len))
-        return grain.experimental.FirstFitPackIterDataset(
-            pieces, length_struct=lengths, num_packing_bins=num_bins, shuffle_bins=False
-        )
-    raise ValueError(f"data.packing={packing!r} is not allowed; choose one of {', '.join(PACKINGS)}")
-
-
 def _model_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
-    """Packer row -> the batch fields of the module docstring, each [seq_len]."""
-    segment_ids = row["inputs_segment_ids"].astype(np.int32)
-    real = segment_ids > 0
+    """Packed row (train/packing.py) -> the batch fields of the module docstring, each [seq_len]."""
+    real = row["segment_ids"] > 0
     fields = {
-        "tokens": np.where(real, row["inputs"], pad_id),
+        "tokens": np.where(real, row["tokens"], pad_id),
         "targets": np.where(real, row["targets"], pad_id),
-        "segment_ids": segment_ids,
-        "positions": row["inputs_positions"],
+        "segment_ids": row["segment_ids"],
+        "positions": row["positions"],
         "loss_mask": real,
     }
     return {key: fields[key].astype(dtype) for key, dtype in BATCH_FIELDS.items()}
 
 
-def _to_json(state: Any) -> Any:
-    """Grain state -> JSON-native: tuples become {"__tuple__": [...]}, numpy scalars Python ones."""
-    if isinstance(state, dict):
-        return {key: _to_json(value) for key, value in state.items()}
-    if isinstance(state, tuple):
-        return {_TUPLE: [_to_json(value) for value in state]}
-    if isinstance(state, list):
-        return [_to_json(value) for value in state]
-    if isinstance(state, np.generic):
-        return state.item()
-    return state
-
-
-def _from_json(state: Any) -> Any:
-    """Inverse of _to_json."""
-    if isinstance(state, dict):
-        if set(state) == {_TUPLE}:
-            return tuple(_from_json(value) for value in state[_TUPLE])
-        return {key: _from_json(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [_from_json(value) for value in state]
-    return state
-
-
-class _JsonStateIterator(grain.DatasetIterator):
-    """Passes elements through; get_state/set_state speak JSON-native state.
-
-    Needed because grain's concat packer keeps tuples in its state and, after a JSON round
-    trip, would mistake the lists for slices of a pending document.
-    """
-
-    def __next__(self):
-        return next(self._parent)
-
-    def get_state(self) -> dict[str, Any]:
-        return _to_json(self._parent.get_state())
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self._parent.set_state(_from_json(state))
-
-
-class _JsonStateIterDataset(grain.IterDataset):
-    def __iter__(self) -> _JsonStateIterator:
-        return _JsonStateIterator(self._parent.__iter__())
-
-
 def _documents(indices: np.ndarray, cfg: DataConfig, split: str, num_epochs: int | None, component: int):
-    """MapDataset of document indices: the train split shuffled (each epoch anew, seeded by cfg.seed and the
+    """MapDataset of span indices: the train split shuffled (each epoch anew, seeded by cfg.seed and the
     mixture component), then repeated num_epochs times (None: forever)."""
     docs = grain.MapDataset.source(indices)
     if split == "train" and cfg.shuffle:
@@ -300,11 +146,12 @@ def build_dataset(
 
     batch_size is in rows of cfg.seq_len tokens: the whole batch (every process reads it all and keeps its
     rows). Documents become [bos] + ids + [eos] (bos/eos added when cfg.add_bos/add_eos and the tokenizer has
-    one); those left with fewer than two ids are skipped. Train documents are shuffled by cfg.seed when
-    cfg.shuffle, each epoch in a different deterministic order; eval keeps document order. num_epochs=None
-    repeats forever; with a finite count the last incomplete batch is dropped, so a small split can give no
-    batch at all. `source` (default: open_source(cfg)) lets the train and eval splits share one opened, indexed
-    source. The eval split is held_out's: whole documents, or the tail of a single document.
+    one, at a document's real start and end: not where its held-out tail is cut off); those left with fewer than
+    two ids are skipped. Train documents are shuffled by cfg.seed when cfg.shuffle, each epoch in a different
+    deterministic order; eval keeps document order. num_epochs=None repeats forever; with a finite count the last
+    incomplete batch is dropped, so a small split can give no batch at all. `source` (default: open_source(cfg))
+    lets the train and eval splits share one opened, indexed source. The eval split is train/held_out.py's: whole
+    documents, and the tails of documents too long to hold out whole.
 
     With data.mixture, each component is split, upsampled and shuffled on its own, then documents are drawn from
     the components (grain's MapDataset.mix, deterministic) so that each one's expected share of the bytes is its
@@ -342,14 +189,7 @@ def build_dataset(
         if split == "train":
             log.info("%s", describe_mixture(names, [len(idx) for idx in indices], source.weights, weights))
         docs = grain.MapDataset.mix(streams, weights.tolist())
-    examples = docs.map(_Tokenize(documents, tokenizer, cfg.add_bos, cfg.add_eos)).filter(_has_input)
-
-    rows = pack(
-        examples.to_iter_dataset(READ_OPTIONS),
-        seq_len=cfg.seq_len,
-        packing=cfg.packing,
-        num_bins=max(batch_size, MIN_PACKING_BINS),
-    )
+    chunks = Chunks(docs, documents, tokenizer, bos=cfg.add_bos, eos=cfg.add_eos, seq_len=cfg.seq_len)
+    rows = pack(chunks, seq_len=cfg.seq_len, packing=cfg.packing, num_bins=max(batch_size, MIN_PACKING_BINS))
     batches = rows.map(functools.partial(_model_row, pad_id=tokenizer.pad_id)).batch(batch_size, drop_remainder=True)
-    batches = grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=PREFETCH_BATCHES)
-    return _JsonStateIterDataset(batches)
+    return grain.experimental.ThreadPrefetchIterDataset(batches, prefetch_buffer_size=PREFETCH_BATCHES)

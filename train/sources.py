@@ -1,12 +1,15 @@
 """Random-access document sources: `len(source)` documents, `source[i]` -> str, read lazily.
 
-Kinds: plain text (a file is one document, or pieces of about PIECE_BYTES when larger; a folder gives one document
-per matching file, or its pieces),
+Kinds: plain text (a file is one document; a folder gives one document per matching file),
 JSON lines (one object per line), Parquet (one row per document), "stdlib" (the Python
 standard library's own `*.py` files, a corpus present offline everywhere) and "retrieval" (synthetic
 needle-retrieval documents of data.seq_len - 1 bytes, train/retrieval.py). A folder of JSONL or
 Parquet files (data.format set explicitly) is read as their concatenation. Sources hold paths
 and small indexes, never the corpus, and pickle without open files.
+
+Besides the whole text, every source reads a document a piece at a time (`read`, cut as train/cuts.py says) from
+any place in its stored text (the bytes of a text file or a Parquet value, the content of a JSON line's text
+string), so a document of any size is read in bounded memory; `tail_start` says where its last fraction begins.
 
 Bad data stops the run with a DataError naming the file (and line) before training starts, as far as
 indexing can tell: every JSON line is parsed when its file is indexed, every text file's head is read
@@ -20,10 +23,13 @@ from __future__ import annotations
 import bisect
 import codecs
 import dataclasses
+import functools
 import json
+import json.scanner
 import logging
 import os
 import pathlib
+import re
 import sysconfig
 import threading
 from array import array
@@ -36,6 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from train import cuts
 from train.errors import DataError
 from train.retrieval import RetrievalSource
 
@@ -44,8 +51,6 @@ if TYPE_CHECKING:  # the run config imports this module's registries
 
 SOURCE_HELP = '"stdlib", "retrieval", a text file, a folder, a .jsonl/.json file or a .parquet file'
 SNIFF_BYTES = 8192  # a text file's head read when its folder is listed, to tell text from binary
-PIECE_BYTES = 1 << 20  # a text file larger than this is read as pieces of about this size (TextFiles)
-CUT_WINDOW = 1 << 16  # bytes searched past a piece's nominal start for a place to cut
 JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 log = logging.getLogger(__name__)
@@ -59,6 +64,13 @@ class Source(Protocol):
     def __getitem__(self, index: int) -> str: ...
 
     def sizes(self) -> np.ndarray: ...  # [len] int64: each document's size in bytes, known without reading it
+
+    # the text of document `index` from stored byte `start`, about `size` bytes cut at a line, word or character (the
+    # rest when no more), at most to stored byte `stop` (None: the document's end), and where the next piece starts
+    # (None: at `stop`)
+    def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]: ...
+
+    def tail_start(self, index: int, fraction: float) -> int: ...  # the stored byte where its last `fraction` begins
 
 
 def _unreadable(what: str, error: Exception) -> DataError:
@@ -78,6 +90,32 @@ def _read(path: str, start: int = 0, size: int = -1) -> bytes:
             return f.read(size)
     except OSError as error:
         raise _unreadable(path, error) from None
+
+
+def _read_at(path: str, base: int, start: int, size: int) -> bytes:
+    """`size` bytes of the file at `path` from byte `base` + `start` (_read with an origin)."""
+    return _read(path, base + start, size)
+
+
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+_scan_json_value = json.scanner.make_scanner(json.JSONDecoder())
+
+
+def _field_content(line: bytes, field: str) -> tuple[int, int]:
+    """Bytes [begin, end) of `line`, a JSON object checked to hold the string field `field`, between that string's
+    quotes (its last occurrence when the key repeats, as json.loads reads it)."""
+    text = line.decode("utf-8")
+    at, found = _JSON_SPACE.match(text).end() + 1, (0, 0)
+    while text[at := _JSON_SPACE.match(text, at).end()] != "}":
+        key, at = json.decoder.scanstring(text, at + 1)
+        at = _JSON_SPACE.match(text, _JSON_SPACE.match(text, at).end() + 1).end()  # past the colon
+        _, end = _scan_json_value(text, at)
+        if key == field:
+            found = (at, end)
+        at = _JSON_SPACE.match(text, end).end()
+        at += text[at] == ","
+    begin = len(text[: found[0]].encode()) + 1
+    return begin, len(line) - len(text[found[1] :].encode()) - 1
 
 
 def _unreadable_folder(error: OSError) -> None:
@@ -132,53 +170,30 @@ def _text_only(paths: Sequence[pathlib.Path]) -> tuple[list[pathlib.Path], str]:
 class TextFiles:
     """Each file is one document, decoded as UTF-8 with invalid bytes replaced (open_source and
     stdlib_source pass only files whose head is UTF-8 text, so only stray bytes further on are replaced).
+    Its stored text is the file's bytes."""
 
-    A file larger than `piece_bytes` is several documents, its pieces of about that many bytes, so that memory
-    does not grow with one file (a document is read, tokenized and held whole): piece k starts after the first
-    newline at or past byte k * piece_bytes (else the first whitespace, else the first character, within
-    CUT_WINDOW bytes, at most half a piece), so no line, word or character is split."""
-
-    def __init__(self, paths: Sequence[pathlib.Path | str], piece_bytes: int = PIECE_BYTES):
+    def __init__(self, paths: Sequence[pathlib.Path | str]):
         self.paths = [str(path) for path in paths]
-        self.piece_bytes = piece_bytes
-        self.window = min(CUT_WINDOW, piece_bytes // 2)
-        self.file_sizes = [os.path.getsize(path) for path in self.paths]
-        # first document of each file, and the end: file f is documents starts[f] .. starts[f + 1] - 1
-        self.starts = np.cumsum([0] + [max(1, -(-size // piece_bytes)) for size in self.file_sizes]).tolist()
+        self.file_sizes = np.asarray([os.path.getsize(path) for path in self.paths], np.int64)
 
     def __len__(self) -> int:
-        return self.starts[-1]
+        return len(self.paths)
 
     def __getitem__(self, index: int) -> str:
         if not 0 <= index < len(self):
             raise IndexError(f"document {index} out of range for {len(self)} documents")
-        file = bisect.bisect_right(self.starts, index) - 1
-        piece, pieces = index - self.starts[file], self.starts[file + 1] - self.starts[file]
-        if pieces == 1:
-            return _read(self.paths[file]).decode("utf-8", errors="replace")
-        begin = piece * self.piece_bytes
-        data = _read(self.paths[file], begin, self.piece_bytes + self.window)
-        start = _cut(data[: self.window]) if piece else 0
-        end = self.piece_bytes + _cut(data[self.piece_bytes :]) if piece < pieces - 1 else len(data)
-        return data[start:end].decode("utf-8", errors="replace")
+        return _read(self.paths[index]).decode("utf-8", errors="replace")
 
     def sizes(self) -> np.ndarray:
-        """Each document's size in bytes, a piece's taken as piece_bytes (the last one's as what is left)."""
-        sizes = []
-        for size, first, end in zip(self.file_sizes, self.starts, self.starts[1:], strict=False):
-            count = end - first
-            sizes += [self.piece_bytes] * (count - 1) + [size - (count - 1) * self.piece_bytes]
-        return np.asarray(sizes, np.int64)
+        return self.file_sizes.copy()
 
+    def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
+        stop = int(self.file_sizes[index]) if stop is None else stop
+        return cuts.read_piece(functools.partial(_read, self.paths[index]), start, stop, size, escaped=False)
 
-def _cut(window: bytes) -> int:
-    """Where a piece starts in `window` (the bytes from its nominal start): after the first newline, else at the
-    first whitespace, else at the first byte that starts a UTF-8 character; the window's end if none."""
-    for boundary in (b"\n", b" "):
-        found = window.find(boundary)
-        if found >= 0:
-            return found + 1
-    return next((i for i, byte in enumerate(window) if byte & 0xC0 != 0x80), len(window))
+    def tail_start(self, index: int, fraction: float) -> int:
+        fetch = functools.partial(_read, self.paths[index])
+        return cuts.tail_start(fetch, int(self.file_sizes[index]), fraction, escaped=False)
 
 
 def stdlib_source() -> TextFiles:
@@ -192,20 +207,25 @@ class JsonlFile:
     """One JSON object per line; the document is `obj[text_field]`, a string. Blank lines are skipped.
 
     Indexing reads the file once, line by line, and checks every line (DataError naming file:line);
-    it keeps each document's line start offset, length in bytes and line number (int64 [num_docs] each).
-    Each read seeks to its line.
+    it keeps each document's line start offset, length in bytes and line number (int64 [num_docs] each),
+    and for a line longer than cuts.PIECE_BYTES where its text's content lies, so that it is read in pieces.
+    Each read seeks to its line. The stored text is the content of the JSON string, between its quotes.
     """
 
     def __init__(self, path: pathlib.Path | str, text_field: str):
         self.path = str(path)
         self.text_field = text_field
         starts, lengths, numbers = array("q"), array("q"), array("q")
+        self._long: dict[int, tuple[int, int]] = {}  # document -> (file offset, length) of its text's content
         offset = 0
         try:
             with open(self.path, "rb") as f:
                 for number, line in enumerate(f, 1):
                     if line.strip():
                         self._text(line, number)
+                        if len(line) > cuts.PIECE_BYTES:
+                            begin, end = _field_content(line, text_field)
+                            self._long[len(starts)] = (offset + begin, end - begin)
                         starts.append(offset)
                         lengths.append(len(line))
                         numbers.append(number)
@@ -220,11 +240,32 @@ class JsonlFile:
         return len(self._starts)
 
     def __getitem__(self, index: int) -> str:
-        line = _read(self.path, int(self._starts[index]), int(self._lengths[index]))
-        return self._text(line, int(self._line_numbers[index]))
+        return self._text(self._line(index), int(self._line_numbers[index]))
 
     def sizes(self) -> np.ndarray:
         return self._lengths.copy()  # the whole line: the text and its JSON around it
+
+    def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
+        if start == 0 and stop is None and self._lengths[index] <= size:  # the whole text: one piece
+            return self[index], None
+        begin, length = self._content(index)
+        fetch = functools.partial(_read_at, self.path, begin)
+        return cuts.read_piece(fetch, start, length if stop is None else stop, size, escaped=True)
+
+    def tail_start(self, index: int, fraction: float) -> int:
+        begin, length = self._content(index)
+        return cuts.tail_start(functools.partial(_read_at, self.path, begin), length, fraction, escaped=True)
+
+    def _line(self, index: int) -> bytes:
+        return _read(self.path, int(self._starts[index]), int(self._lengths[index]))
+
+    def _content(self, index: int) -> tuple[int, int]:
+        """(file offset, length in bytes) of document `index`'s text content: indexed for a long line, else found
+        in its line."""
+        if index in self._long:
+            return self._long[index]
+        begin, end = _field_content(self._line(index), self.text_field)
+        return int(self._starts[index]) + begin, end - begin
 
     def _text(self, line: bytes, number: int) -> str:
         """The document on `line`, line `number` of the file; a DataError naming file:line if the line is not a
@@ -255,7 +296,8 @@ class JsonlFile:
 class ParquetFile:
     """Column `text_field` of a Parquet file, one document per row.
 
-    Rows are located by (row group, row); the last `cache_groups` row groups read are kept.
+    Rows are located by (row group, row); the last `cache_groups` row groups read are kept, as Arrow arrays (a
+    value is read in pieces from its Arrow buffer). The stored text is the value's UTF-8 bytes.
     """
 
     def __init__(self, path: pathlib.Path | str, text_field: str, cache_groups: int = 2):
@@ -280,7 +322,7 @@ class ParquetFile:
 
     def _open(self) -> None:
         self._file: pq.ParquetFile | None = None
-        self._cache: OrderedDict[int, list] = OrderedDict()
+        self._cache: OrderedDict[int, pa.Array] = OrderedDict()
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -293,7 +335,7 @@ class ParquetFile:
     def __len__(self) -> int:
         return int(self._group_starts[-1])
 
-    def _row_group(self, group: int) -> list:
+    def _row_group(self, group: int) -> pa.Array:
         with self._lock:
             if group in self._cache:
                 self._cache.move_to_end(group)
@@ -301,7 +343,7 @@ class ParquetFile:
             if self._file is None:
                 self._file = self._parquet()
             try:
-                rows = self._file.read_row_group(group, columns=[self.text_field]).column(0).to_pylist()
+                rows = self._file.read_row_group(group, columns=[self.text_field]).column(0).combine_chunks()
             except (OSError, pa.ArrowException) as error:
                 raise _unreadable(f"{self.path} row group {group}", error) from None
             self._cache[group] = rows
@@ -320,15 +362,33 @@ class ParquetFile:
         return self._sizes
 
     def __getitem__(self, index: int) -> str:
+        return self._value(index).as_py()
+
+    def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
+        value = self._value(index).as_buffer()
+        return cuts.read_piece(_buffer_reader(value), start, value.size if stop is None else stop, size, escaped=False)
+
+    def tail_start(self, index: int, fraction: float) -> int:
+        value = self._value(index).as_buffer()
+        return cuts.tail_start(_buffer_reader(value), value.size, fraction, escaped=False)
+
+    def _value(self, index: int) -> pa.Scalar:
+        """Row `index`'s value, a string (DataError naming the row if it holds anything else)."""
         if not 0 <= index < len(self):
             raise IndexError(f"row {index} out of range for {self.path} with {len(self)} rows")
         group = int(np.searchsorted(self._group_starts, index, side="right")) - 1
-        text = self._row_group(group)[index - int(self._group_starts[group])]
-        if not isinstance(text, str):
+        value = self._row_group(group)[index - int(self._group_starts[group])]
+        if not (value.is_valid and (pa.types.is_string(value.type) or pa.types.is_large_string(value.type))):
             raise DataError(
-                f"{self.path} row {index}: column {self.text_field!r} holds {type(text).__name__}; expected a string"
+                f"{self.path} row {index}: column {self.text_field!r} holds {type(value.as_py()).__name__}; "
+                "expected a string"
             )
-        return text
+        return value
+
+
+def _buffer_reader(buffer: pa.Buffer):
+    """fetch(offset, count) -> bytes of `buffer` (cuts.read_piece's reader of stored bytes)."""
+    return lambda offset, count: buffer[offset : offset + count].to_pybytes()
 
 
 class Concat:
@@ -342,11 +402,24 @@ class Concat:
         return self._ends[-1] if self._ends else 0
 
     def __getitem__(self, index: int) -> str:
-        part = bisect.bisect_right(self._ends, index)
-        return self.parts[part][index - (self._ends[part - 1] if part else 0)]
+        part, local = self._locate(index)
+        return part[local]
 
     def sizes(self) -> np.ndarray:
         return np.concatenate([part.sizes() for part in self.parts]) if self.parts else np.zeros(0, np.int64)
+
+    def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
+        part, local = self._locate(index)
+        return part.read(local, start, stop, size)
+
+    def tail_start(self, index: int, fraction: float) -> int:
+        part, local = self._locate(index)
+        return part.tail_start(local, fraction)
+
+    def _locate(self, index: int) -> tuple[Source, int]:
+        """(the part that holds document `index`, its index there)."""
+        part = bisect.bisect_right(self._ends, index)
+        return self.parts[part], index - (self._ends[part - 1] if part else 0)
 
 
 class Mixture(Concat):
@@ -376,6 +449,42 @@ class Head:
 
     def sizes(self) -> np.ndarray:
         return self.source.sizes()[: self.count]
+
+    def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
+        return self.source.read(index, start, stop, size)
+
+    def tail_start(self, index: int, fraction: float) -> int:
+        return self.source.tail_start(index, fraction)
+
+
+class InMemory:
+    """Documents that `source` builds as strings when asked (source[i] -> str), read in pieces of that string; its
+    stored text is the string's UTF-8 bytes."""
+
+    def __init__(self, source):
+        self.source = source
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> str:
+        return self.source[index]
+
+    def sizes(self) -> np.ndarray:
+        return self.source.sizes()
+
+    def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
+        data = self.source[index].encode()
+        return cuts.read_piece(_bytes_reader(data), start, len(data) if stop is None else stop, size, escaped=False)
+
+    def tail_start(self, index: int, fraction: float) -> int:
+        data = self.source[index].encode()
+        return cuts.tail_start(_bytes_reader(data), len(data), fraction, escaped=False)
+
+
+def _bytes_reader(data: bytes):
+    """fetch(offset, count) -> bytes of `data` (cuts.read_piece's reader of stored bytes)."""
+    return lambda offset, count: data[offset : offset + count]
 
 
 READERS = {"jsonl": JsonlFile, "parquet": ParquetFile}
@@ -412,7 +521,7 @@ def open_source(cfg: DataConfig) -> Source:
     if cfg.source == "stdlib":
         source, where = stdlib_source(), "data.source='stdlib'"
     elif cfg.source == "retrieval":
-        source, where = RetrievalSource(cfg.seq_len), "data.source='retrieval'"
+        source, where = InMemory(RetrievalSource(cfg.seq_len)), "data.source='retrieval'"
     else:
         path = pathlib.Path(cfg.source).expanduser()
         if not path.exists():
@@ -425,7 +534,7 @@ def open_source(cfg: DataConfig) -> Source:
             where += f" with data.file_pattern={cfg.file_pattern!r}"
         if fmt == "text":
             files, skipped = _text_only(files)
-            source = TextFiles(files, max(PIECE_BYTES, 4 * cfg.seq_len))  # pieces of a few rows at least
+            source = TextFiles(files)
         elif fmt in READERS:
             parts = [READERS[fmt](f, cfg.text_field) for f in files]
             source = parts[0] if len(parts) == 1 else Concat(parts)
@@ -433,7 +542,13 @@ def open_source(cfg: DataConfig) -> Source:
             raise DataError(f"data.format={cfg.format!r} is not allowed; choose one of {', '.join(FORMATS)}")
     if cfg.max_documents:
         source = Head(source, cfg.max_documents)
-    if not any(source[i] for i in range(len(source))):
+    if not any(_has_text(source, i) for i in range(len(source))):
         empty = f"empty corpus: {where} has no documents" + (" with any text" if len(source) else "")
         raise DataError(empty + (f" ({skipped})" if skipped else ""))
     return source
+
+
+def _has_text(source: Source, index: int) -> bool:
+    """Whether document `index` has any text (its first piece read)."""
+    text, rest = source.read(index, 0, None, SNIFF_BYTES)
+    return bool(text) or rest is not None

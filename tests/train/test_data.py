@@ -12,8 +12,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from train.config import DataConfig
-from train.data import build_dataset, pack, split_indices, upsample
+from train.data import build_dataset, upsample
 from train.errors import DataError
+from train.held_out import split_indices
+from train.packing import pack
 from train.sources import TextFiles, open_source, stdlib_source
 from train.tokenizer import ByteTokenizer
 
@@ -84,19 +86,22 @@ def test_text_file_is_one_document(tmp_path):
         "é漢" * 8000,  # no space: cut before a character
     ],
 )
-def test_a_large_text_file_is_pieces_that_split_no_line_word_or_character(tmp_path, text):
+def test_a_large_text_file_is_one_document_read_in_pieces_that_split_no_line_word_or_character(tmp_path, text):
     path = tmp_path / "book.txt"
     path.write_text(text)
-    source = TextFiles([path], piece_bytes=4096)
-    pieces = [source[i] for i in range(len(source))]
-    assert len(pieces) == len(source.sizes()) == -(-len(text.encode()) // 4096) and "".join(pieces) == text
-    assert all(piece.endswith(("\n", " ", "é", "漢")) for piece in pieces)
-    assert source.sizes().sum() == len(text.encode())
+    source = TextFiles([path])
+    pieces, start = [], 0
+    while start is not None:
+        piece, start = source.read(0, start, None, 4096)
+        pieces.append(piece)
+    assert len(source) == 1 and source.sizes().tolist() == [len(text.encode())]
+    assert len(pieces) >= len(text.encode()) // 4096 and "".join(pieces) == text
+    assert all(piece.endswith(("\n", "é", "漢")) for piece in pieces)
 
 
 def test_one_large_text_file_is_read_in_bounded_memory(tmp_path):
-    """Held whole with its token arrays, a 20 MB one-line file took 470 MiB here; in pieces, grain's
-    buffers hold a few pieces whatever the file's size."""
+    """Held whole with its token arrays, a 20 MB one-line file took 470 MiB here; read a piece at a time, the
+    pipeline holds a few pieces whatever the file's size."""
     path = tmp_path / "one-line.txt"
     path.write_text(" ".join(["abcdefghi"] * 2_000_000))
     batches = iter(build_dataset(config(path, eval_fraction=0.02, shuffle=True), TOK, batch_size=8))
@@ -248,21 +253,21 @@ def check_row_invariants(row):
         "loss_mask": np.float32,
     }
     assert {k: (v.dtype, v.shape) for k, v in row.items()} == {k: (d, (SEQ_LEN,)) for k, d in dtypes.items()}
-    for _, _, positions in segments(row):
-        assert np.array_equal(positions, np.arange(len(positions)))
+    for tokens, _, positions in segments(row):  # positions count from the segment's start; a bos only there
+        assert np.array_equal(positions, np.arange(len(positions))) and TOK.bos_id not in tokens[1:]
     assert np.array_equal(mask, (ids > 0).astype(np.float32))
     assert np.all(pos[ids == 0] == 0) and np.all(row["tokens"][ids == 0] == TOK.pad_id)
     same = (ids[:-1] == ids[1:]) & (ids[:-1] > 0)
     assert np.array_equal(row["targets"][:-1][same], row["tokens"][1:][same])
 
 
-def is_piece(tokens, targets, docs, stride):
-    """Whether (tokens, targets) is docs[d][o:o+n] for some document d and offset o (a multiple of stride)."""
+def is_piece(tokens, targets, docs, at=None):
+    """Whether (tokens, targets) is docs[d][p:p+n] for some document d and offset p (one of `at`, default any)."""
     n = len(tokens)
     return any(
-        np.array_equal(inputs[o : o + n], tokens) and np.array_equal(outputs[o : o + n], targets)
+        np.array_equal(inputs[p : p + n], tokens) and np.array_equal(outputs[p : p + n], targets)
         for inputs, outputs in docs
-        for o in range(0, len(inputs) - n + 1, stride)
+        for p in (range(len(inputs) - n + 1) if at is None else at(len(inputs)))
     )
 
 
@@ -271,7 +276,8 @@ def test_concat_packing_keeps_the_token_stream(corpus):
     docs = documents(DOCS)
     for row in all_rows:
         check_row_invariants(row)
-        assert all(is_piece(tokens, targets, docs, 1) for tokens, targets, _ in segments(row))
+        assert all(is_piece(tokens, targets, docs) for tokens, targets, _ in segments(row))
+        assert all(tokens[0] == TOK.bos_id for tokens, _, _ in segments(row)[1:])  # only the first goes on from before
     assert all(row["segment_ids"].min() > 0 for row in all_rows[:-1])  # padding only at the very end
     for field, k in (("tokens", 0), ("targets", 1)):
         stream = np.concatenate([row[field][row["segment_ids"] > 0] for row in all_rows])
@@ -285,7 +291,7 @@ def test_first_fit_packing_places_every_piece_once(corpus):
     for row in all_rows:
         check_row_invariants(row)
         for tokens, targets, _ in segments(row):
-            assert is_piece(tokens, targets, docs, SEQ_LEN)
+            assert is_piece(tokens, targets, docs, at=lambda length: range(0, length, SEQ_LEN))
             found.append(tuple(tokens))
     expected = [tuple(inputs[o : o + SEQ_LEN]) for inputs, _ in docs for o in range(0, len(inputs), SEQ_LEN)]
     assert sorted(found) == sorted(expected)
@@ -294,19 +300,21 @@ def test_first_fit_packing_places_every_piece_once(corpus):
 
 @pytest.mark.parametrize("packing", ["concat", "first_fit"])
 def test_packer_keeps_inputs_and_targets_in_lockstep(packing):
-    lengths = [3, 16, 40, 1, 7, 9, 22, 5]
+    lengths = [3, 16, 14, 1, 7, 9, 16, 5]  # chunks of at most seq_len, as train/token_stream.py gives them
     examples = [
-        {"inputs": ids, "targets": ids + 1}
+        {"inputs": ids, "targets": ids + 1, "positions": ids % 100}
         for ids in (np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lengths))
     ]
     source = grain.MapDataset.source(examples).to_iter_dataset()
     out = list(pack(source, seq_len=SEQ_LEN, packing=packing, num_bins=4))
     assert out
     for row in out:
-        assert np.array_equal(row["inputs_segment_ids"], row["targets_segment_ids"])
-        assert np.array_equal(row["inputs_positions"], row["targets_positions"])
-        real = row["inputs_segment_ids"] > 0
-        assert np.array_equal(row["targets"][real], row["inputs"][real] + 1)
+        real = row["segment_ids"] > 0
+        assert np.array_equal(row["targets"][real], row["tokens"][real] + 1)
+        for segment in np.unique(row["segment_ids"][real]):  # positions from each segment's start
+            assert np.array_equal(
+                row["positions"][row["segment_ids"] == segment], np.arange(np.sum(row["segment_ids"] == segment))
+            )
 
 
 def test_bad_packing_and_split_are_named(corpus):

@@ -42,7 +42,8 @@ class DataConfig:
     packing: str = "concat"  # concat (split documents across rows) | first_fit (pad rows)
     shuffle: bool = True  # shuffle the train documents (seeded)
     seed: int = 0  # the data order's and the held-out split's seed
-    eval_fraction: float = 0.02  # share of documents held out for evaluation (a single text file: its tail)
+    # share of each source's bytes held out for evaluation (a document too long to hold out whole gives its tail)
+    eval_fraction: float = 0.02
     max_documents: int = 0  # documents read at most; 0 = all
     add_bos: bool = True  # a beginning-of-sequence token before each document
     add_eos: bool = True  # an end-of-sequence token after each document
