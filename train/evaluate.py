@@ -154,6 +154,7 @@ def _numbers(kind, text: str) -> list:
 
 
 def main(argv=None) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C from here on: the one line below
     parser = argparse.ArgumentParser(prog="python -m train.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "checkpoint", type=pathlib.Path, help="a run directory, one of its checkpoints/<step>, or an import's OUT"

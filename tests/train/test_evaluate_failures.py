@@ -10,6 +10,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import time
 
 import orbax.checkpoint as ocp
 import pytest
@@ -110,3 +111,23 @@ def test_ctrl_c_ends_it_in_one_line(run, tmp_path):
         f"error: stopped by Ctrl-C before the evaluation of {run} finished"
     ], err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["train", "train.evaluate", "train.hf"])
+def test_ctrl_c_while_a_command_starts_is_one_line(command, tmp_path):
+    """Its imports take seconds: Ctrl-C then ends it in one line, exit status 130, before it has written anything."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", command, str(tmp_path / "missing")],
+        cwd=tiny_run.REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    maps = pathlib.Path(f"/proc/{process.pid}/maps")
+    deadline = time.monotonic() + 30
+    while "_multiarray_umath" not in maps.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)  # until numpy is loaded: the command's own imports are under way
+    process.send_signal(signal.SIGINT)
+    err = process.communicate(timeout=60)[1]
+    assert process.returncode == 128 + signal.SIGINT, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: stopped by Ctrl-C"), err
