@@ -27,16 +27,6 @@ GRID = ["--lengths", "128", "--depths", "0.5", "--tasks", "single", "--samples",
 TEXT = "def double(x):\n    return 2 * x\n\n" * 400
 
 
-@pytest.fixture
-def library_file(tmp_path, monkeypatch) -> pathlib.Path:
-    """The library log's file for one test, tmp_path/library.log: what the test leaves there stays out of the error
-    lines of the tests after it in this process."""
-    path = tmp_path / "library.log"
-    monkeypatch.setattr(library_log._log, "path", path)
-    monkeypatch.setattr(library_log._log, "written", False)
-    return path
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """A run directory: config.yaml (a small tiny.yaml on a text file) and checkpoints 1 and 2."""

@@ -6,7 +6,6 @@ holds the traceback."""
 import dataclasses
 import errno
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -22,17 +21,6 @@ from models.hf import convert, load_pretrained, save_pretrained
 from tests.tiny_models import TINY_LLAMA
 from tests.train.tiny_run import REPO
 from train import hf as cli
-from train import library_log
-
-
-@pytest.fixture
-def library_file(tmp_path, monkeypatch) -> pathlib.Path:
-    """The library log's file for one test, tmp_path/library.log: what the test leaves there stays out of the error
-    lines of the tests after it in this process."""
-    path = tmp_path / "library.log"
-    monkeypatch.setattr(library_log._log, "path", path)
-    monkeypatch.setattr(library_log._log, "written", False)
-    return path
 
 
 def tiny(seed: int, **changes) -> nnx.Module:
