@@ -134,18 +134,26 @@ def _terms(values: dict, runs: dict, outputs: bool, dtype: jnp.dtype) -> dict:
 
 
 def unit_lower_inverse(strict):
-    """strict: [..., n, n] strictly lower triangular -> (I + strict)^-1 [..., n, n], by halves (the inverse of
-    [[A, 0], [C, B]] is [[A^-1, 0], [-B^-1 C A^-1, B^-1]]): log2(n) levels of batched matmuls. Not a triangular
-    solve: XLA:CPU's runs its batch on the thread pool the devices' own threads are blocked on, a deadlock with
-    several devices."""
-    n = strict.shape[-1]
-    if n == 1:
-        return jnp.ones_like(strict)
-    h = n // 2
-    upper, lower = unit_lower_inverse(strict[..., :h, :h]), unit_lower_inverse(strict[..., h:, h:])
-    corner = -lower @ strict[..., h:, :h] @ upper
-    top = jnp.concatenate([upper, jnp.zeros((*strict.shape[:-2], h, n - h), strict.dtype)], axis=-1)
-    return jnp.concatenate([top, jnp.concatenate([corner, lower], axis=-1)], axis=-2)
+    """strict: [..., n, n] strictly lower triangular -> (I + strict)^-1 [..., n, n], by doubling diagonal blocks: the
+    inverse of [[A, 0], [C, B]] is [[A^-1, 0], [-B^-1 C A^-1, B^-1]], every block pair of a size at once, log2(n)
+    levels of batched matmuls (n padded to a power of two). Not a triangular solve: XLA:CPU's runs its batch on the
+    thread pool the devices' own threads are blocked on, a deadlock with several devices."""
+    n, batch = strict.shape[-1], strict.shape[:-2]
+    size = 1 << (n - 1).bit_length()
+    strict = jnp.pad(strict, [(0, 0)] * len(batch) + [(0, size - n)] * 2)
+    inverse = jnp.ones((*batch, size, 1, 1), strict.dtype)  # the inverses of the 1 x 1 diagonal blocks
+    width = 1
+    while width < size:
+        pairs = size // (2 * width)
+        halves = inverse.reshape(*batch, pairs, 2, width, width)
+        upper, lower = halves[..., 0, :, :], halves[..., 1, :, :]
+        blocks = jnp.swapaxes(strict.reshape(*batch, pairs, 2 * width, pairs, 2 * width), -3, -2)
+        diagonal = blocks.reshape(*batch, pairs * pairs, 2 * width, 2 * width)[..., :: pairs + 1, :, :]
+        corner = -lower @ diagonal[..., width:, :width] @ upper
+        top = jnp.concatenate([upper, jnp.zeros_like(upper)], axis=-1)
+        inverse = jnp.concatenate([top, jnp.concatenate([corner, lower], axis=-1)], axis=-2)
+        width *= 2
+    return inverse.reshape(*batch, size, size)[..., :n, :n]
 
 
 def affine_map(k, v, g, beta, seg, *, start_seg, chunk: int = CHUNK):
