@@ -166,7 +166,7 @@ def test_mfu_counts_each_batch_s_documents_and_stays_at_most_one(packed):
 def test_a_checkpoint_save_is_no_step_s_time(packed):
     """Saves after steps 2 and 4 each take SAVE_SECONDS more: steps 3 and 5 do not show it."""
     for line in records(packed / "run")[1:]:
-        assert line["step_time"] < SAVE_SECONDS / 2, line
+        assert line["step_time"] < 0.9 * SAVE_SECONDS, line  # a step counted with the save would take longer
 
 
 def test_batch_flops_of_equal_documents_match_the_per_token_count():
