@@ -174,7 +174,9 @@ def main(argv=None) -> int:
         parser.error("--coordinator, --num-processes and --process-id go with --distributed")
     if not args.peer_timeout:
         parser.error("--peer-timeout must be > 0 seconds")
-    step_timeout = peers.Timeouts.step if args.step_timeout is None else args.step_timeout
+    step_timeout = args.step_timeout
+    if step_timeout is None:
+        step_timeout = peers.Timeouts.step if args.distributed else SINGLE_STEP_TIMEOUT
     timeouts = peers.Timeouts(peer=args.peer_timeout, step=step_timeout)
     environment.set_up()
     # force: an imported library may have configured the root logger already, hiding our INFO lines
@@ -194,8 +196,7 @@ def main(argv=None) -> int:
         check_policy(config.compute.remat_policy, jax.default_backend())
         from train.loop import run
 
-        alone = SINGLE_STEP_TIMEOUT if args.step_timeout is None else args.step_timeout
-        with peers.reporting(), stall.watching(0 if args.distributed else alone, checkpoints):
+        with peers.reporting(), stall.watching(0 if args.distributed else step_timeout, checkpoints):
             run(config)
     except (ConfigError, MeshError, RematError, DataError, CheckpointError, OSError, TargetError) as error:
         print(f"error: {error}{library_log.mention()}", file=sys.stderr)
