@@ -1,8 +1,9 @@
 """Everything that depends on JAX's version, in one place: the supported range and its check, JAX's private cuDNN
-attention primitives (their module and their binds' keyword parameters), the Pallas Triton compiler parameters, the
-CUDA plugin's module for each CUDA major, and the distributed runtime's coordination client. Each use is found by
-what the installed JAX has, not by its version number, so a patch release that keeps an API keeps working; the
-range says what CI has tested (the floor on Python 3.11, the newest on Python 3.12+).
+attention primitives (their module, their binds' keyword parameters, whether packed K / V keep their own heads), the
+Pallas Triton compiler parameters, the CUDA plugin's module for each CUDA major, and the distributed runtime's
+coordination client. Each use is found by what the installed JAX has, not by its version number, so a patch release
+that keeps an API keeps working; the range says what CI has tested (the floor on Python 3.11, the newest on Python
+3.12+).
 
 Importing this module checks the installed JAX (parallel/__init__.py imports it before any other module of the
 package); nothing here imports JAX's private modules until it is used.
@@ -80,6 +81,30 @@ def cudnn_bind_parameters() -> dict:
     fa = cudnn_attention()
     impl = inspect.signature(fa._dot_product_attention_fwd_impl).parameters
     return {"score_mod": None} if "score_mod" in impl else {}
+
+
+@functools.cache
+def cudnn_packed_gqa() -> bool:
+    """Whether JAX's packed cuDNN binding strides key / value offsets by the KEY heads, so that K / V may keep their
+    own heads under GQA (JAX 0.11 on; 0.10.2 strides them by the query heads). Found by running the binding's offset
+    fix-up (`_fix_seqlen_offsets`) on a packed GQA call of two segments (2 query heads, 1 key head, width 8), in a
+    thread of its own: JAX's trace and mesh contexts are per thread, so it runs eagerly on the host even when asked
+    inside a trace over compile-only devices."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(_key_offsets_per_key_head).result()
+
+
+def _key_offsets_per_key_head() -> bool:
+    """cudnn_packed_gqa's check, run eagerly."""
+    import numpy as np
+
+    fa = cudnn_attention()
+    query, key = np.zeros((1, 4, 2, 8), np.float32), np.zeros((1, 4, 1, 8), np.float32)
+    seqlen, offsets = np.array([[2, 2]], np.int32), np.array([[0, 2, -1]], np.int32)
+    kv_offsets = fa._fix_seqlen_offsets(seqlen, seqlen, offsets, offsets, query, key)[3]
+    return int(np.asarray(kv_offsets).reshape(-1)[1]) == 2 * key.shape[2] * key.shape[3]
 
 
 def cudnn_binds() -> tuple:

@@ -90,8 +90,8 @@ def _attention_grads(kernel, blocks: dict, call: Call):
 def _calls(dims: tuple[int, int, int, int], dtype) -> dict[str, Call]:
     """name -> Call of the checked calls, on the default device: packed rows (four documents; padding ends the
     second row) of LENGTH tokens on the causal diagonal, indices static; ring steps of a 4-device ring over
-    2 x LENGTH tokens, indices traced: dual_chunk (rank 2's queries, rank 1's keys: cuDNN's halves) and striped (a
-    general call: cuDNN runs its general kernel)."""
+    2 x LENGTH tokens: dual_chunk (rank 2's queries, rank 1's first chunk, as the ring calls it: static, all-visible)
+    and striped with indices traced (a general call: cuDNN runs its general kernel)."""
     heads, kv_heads, dqk, dv = dims
     rng = np.random.default_rng(0)
     seg = np.repeat(np.arange(1, 5, dtype=np.int32), LENGTH // 2)[None].repeat(2, axis=0)  # [2, 2 x LENGTH]
@@ -100,14 +100,14 @@ def _calls(dims: tuple[int, int, int, int], dtype) -> dict[str, Call]:
     calls = {}
     for name, (q_index, kv_index) in {
         "diagonal": (np.arange(LENGTH, dtype=np.int32),) * 2,
-        "dual_chunk ring step": (dual[2], dual[1]),
+        "dual_chunk ring step": (dual[2], dual[1][: LENGTH // 2]),
         "striped ring step": (striped[2], striped[1]),
     }.items():
         q, k, v = (
-            jnp.asarray(rng.normal(size=(2, len(q_index), h, d)), dtype)
-            for h, d in ((heads, dqk), (kv_heads, dqk), (kv_heads, dv))
+            jnp.asarray(rng.normal(size=(2, len(index), h, d)), dtype)
+            for index, h, d in ((q_index, heads, dqk), (kv_index, kv_heads, dqk), (kv_index, kv_heads, dv))
         )
-        if name != "diagonal":
+        if name == "striped ring step":
             q_index, kv_index = jnp.asarray(q_index), jnp.asarray(kv_index)
         sides = (kernels.Tokens(jnp.asarray(seg[:, np.asarray(i)]), i) for i in (q_index, kv_index))
         calls[name] = Call(q, k, v, *sides)

@@ -6,13 +6,11 @@ the public wrapper, whose VJP drops the softmax statistics' cotangent. What the 
 - Masks: cuDNN knows segments (from seqlens / offsets) and top-left causality within a segment, not global token
   indices. So a call is served only when queries and keys are each in increasing global order (then every
   document is one run of the row), and is the causal DIAGONAL (queries and keys one token set: PADDING_CAUSAL) or
-  ALL_VISIBLE within segments (non-causal, or every key precedes every query: PADDING). A call that is neither but
-  splits into query halves x key halves that are each all-visible or invisible (a dual_chunk ring step: one chunk
-  against a whole piece) is served as HALVES: the visible quarters merged by log-sum-exp, their backward run with
-  the call's final out / lse. Anything else is `Unservable` when the indices are static (the selected kernel then
-  runs its general kernel: Pallas on GPU), and runs that general kernel (a `lax.switch` branch) when they are traced
-  or the row has more segments than `max_segments`. Static indices compile only their kind and that fallback;
-  traced ones compile every kind the call could be.
+  ALL_VISIBLE within segments (non-causal, or every key precedes every query: PADDING); a ring step is one of these
+  by construction (parallel/strategies/ring_steps.py). Anything else is `Unservable` when the indices are static
+  (the selected kernel then runs its general kernel: Pallas on GPU), and runs that general kernel (a `lax.switch`
+  branch) when they are traced or the row has more segments than `max_segments`. Static indices compile only their
+  kind and that fallback; traced ones compile every kind the call could be.
 - Metadata: a row's segment id s occupies slot s - (smallest query id of the row); each segment must be one
   contiguous run of the row (documents are; so are a load-balanced piece's, which keeps global order). A row's
   query ids may span at most m ids: a call with more runs the general kernel (a run-time branch). cuDNN pads every
@@ -21,8 +19,10 @@ the public wrapper, whose VJP drops the softmax statistics' cotangent. What the 
   128). So m is as many slots as fit in `slot_bytes` (4 GiB), at least 2 and at most `max_segments`. Empty slots are
   -1 in both seqlens and offsets (a 0 length would stay in the primitive's left-shifted list while its -1 offset
   leaves it).
-- GQA: the primitive scales key / value offsets by the QUERY head count, so K / V are repeated to the query heads
-  and dK / dV summed back over each group.
+- GQA: where JAX's packed binding strides key / value offsets by the key heads (JAX 0.11 on; found by feature:
+  parallel.compat.cudnn_packed_gqa), K / V keep their own heads and dK / dV come back per key head. JAX 0.10.2
+  strides them by the QUERY head count, so there K / V are repeated to the query heads and dK / dV summed back over
+  each group (four times the K / V bytes read at 32 / 8 heads).
 - Head dims: the primitive uses one offset list for K and V and one for Q and O, in elements of Q's head dim; so
   Q, K and V are zero-padded to one width (a multiple of 8) and out / grads sliced back (MLA included, with no
   cuDNN 9.10 requirement).
@@ -66,11 +66,10 @@ from jax import lax
 from parallel import compat
 from parallel.kernels import blockwise
 from parallel.kernels.arguments import Options, Tokens
-from parallel.lse_merge import merge
 from parallel.segments import INT32_MAX, seqlens_offsets
 
 fa = compat.cudnn_attention()
-DIAGONAL, ALL_VISIBLE, GENERAL, HALVES = 0, 1, 2, 3
+DIAGONAL, ALL_VISIBLE, GENERAL = 0, 1, 2
 MASKS = {DIAGONAL: fa.MaskType.PADDING_CAUSAL, ALL_VISIBLE: fa.MaskType.PADDING}
 MAX_SEGMENTS = 64
 SLOT_BYTES = 4 << 30  # cuDNN's per-slot buffers of one call (see slots)
@@ -108,7 +107,7 @@ class Metadata(NamedTuple):
 
 
 def call_kind(q_index, kv_index, causal: bool):
-    """[tq], [tk] global indices -> DIAGONAL, ALL_VISIBLE or HALVES when both are static (numpy, or concrete outside
+    """[tq], [tk] global indices -> DIAGONAL or ALL_VISIBLE when both are static (numpy, or concrete outside
     jit), None when one is traced (the kind is then decided at run time); raises Unservable for any other static
     pattern, or a static side that is not increasing. Every served call has increasing indices on both sides, so
     each document is one run of the row (what packed metadata describes). A static DIAGONAL still needs the same
@@ -127,11 +126,9 @@ def call_kind(q_index, kv_index, causal: bool):
         return DIAGONAL
     if kv.max() <= q.min():
         return ALL_VISIBLE
-    if np.all(quarters(q, kv)[0]):
-        return HALVES
     raise Unservable(
-        "attention kernel 'cudnn' serves the causal diagonal (same increasing indices), keys that all precede the "
-        "queries, or query halves x key halves that are each one or the other; these global indices are none"
+        "attention kernel 'cudnn' serves the causal diagonal (same increasing indices) or keys that all precede the "
+        "queries; these global indices are neither"
     )
 
 
@@ -148,35 +145,9 @@ def _increasing(index) -> bool:
     return jnp.all(jnp.diff(index) > 0) if isinstance(index, jax.Array) else bool(np.all(np.diff(index) > 0))
 
 
-def _halves(n: int) -> tuple[slice, slice]:
-    """The first and the second half of n tokens."""
-    return slice(0, n // 2), slice(n // 2, n)
-
-
-def quarters(q_index, kv_index):
-    """[tq], [tk] global indices (numpy, giving numpy, or traced) -> (served [2, 2] bool: query half i x key half j is
-    all-visible or invisible, causally; visible [2, 2] bool: all-visible). A single token has no halves: none
-    served."""
-    xp = np if isinstance(q_index, np.ndarray) and isinstance(kv_index, np.ndarray) else jnp
-    if min(len(q_index), len(kv_index)) < 2:
-        return xp.zeros((2, 2), bool), xp.zeros((2, 2), bool)
-    rows = [[(q_index[qs], kv_index[ks]) for ks in _halves(len(kv_index))] for qs in _halves(len(q_index))]
-    visible = xp.asarray([[k.max() <= q.min() for q, k in row] for row in rows])
-    invisible = xp.asarray([[k.min() > q.max() for q, k in row] for row in rows])
-    return visible | invisible, visible
-
-
-def _cond(visible, served, nothing, *operands):
-    """served(*operands) if `visible` else nothing(*operands): decided at trace time for a numpy bool (the other is
-    never traced), at run time for a traced one."""
-    if isinstance(visible, np.bool_):
-        return (served if visible else nothing)(*operands)
-    return lax.cond(visible, served, nothing, *operands)
-
-
 def runtime_kind(q: Tokens, kv: Tokens, causal: bool = True):
     """Traced call_kind of two sides' tokens (traced [t] indices, [batch, t] ids) -> int32 DIAGONAL, ALL_VISIBLE or
-    GENERAL (HALVES is decided by `_switch`)."""
+    GENERAL."""
     (q_seg, q_index), (kv_seg, kv_index) = q, kv
     increasing = _increasing(q_index) & _increasing(kv_index)
     all_visible = increasing & ((jnp.max(kv_index) <= jnp.min(q_index)) | (not causal))
@@ -265,10 +236,16 @@ def _width(dqk: int, dv: int, extra: int) -> int:
     return -(-max(dqk, dv + extra) // 8) * 8
 
 
+def _group(q, k) -> int:
+    """How many times K / V heads are repeated for the primitive: 1 where the binding takes GQA as it is (module
+    docstring), else query heads / key heads."""
+    return 1 if compat.cudnn_packed_gqa() else q.shape[2] // k.shape[2]
+
+
 def _operands(q, k, v, width: int):
     """q [b, tq, h, dqk], k [b, tk, hkv, dqk], v [b, tk, hkv, dv] -> the three padded to `width`, k / v with their
-    heads repeated to h."""
-    group = q.shape[2] // k.shape[2]
+    heads repeated `_group` times."""
+    group = _group(q, k)
     return (
         _pad_last(q, width),
         _pad_last(jnp.repeat(k, group, axis=2), width),
@@ -280,16 +257,12 @@ def _switch(kind, q: Tokens, kv: Tokens, causal: bool, max_segments: int, by_kin
     """Runs by_kind[k](*operands) for the call's kind k: the static `kind` (then only it and GENERAL are compiled; a
     DIAGONAL whose query and key segment ids differ is GENERAL), or the kind decided from the traced indices of
     sides q and kv when None (only the kinds the call's shapes allow are compiled: a non-causal call is ALL_VISIBLE
-    or GENERAL, the DIAGONAL needs as many keys as queries, halves at least two of each); GENERAL (the general
-    kernel) when a row has more segments than max_segments."""
+    or GENERAL, the DIAGONAL needs as many keys as queries); GENERAL (the general kernel) when a row has more
+    segments than max_segments."""
     (q_seg, q_index), (kv_seg, kv_index) = q, kv
     if kind is None:
-        kind, kinds = runtime_kind(q, kv, causal), (ALL_VISIBLE, GENERAL)
-        if causal:
-            halves = _increasing(q_index) & _increasing(kv_index) & jnp.all(quarters(q_index, kv_index)[0])
-            kind = jnp.where((kind == GENERAL) & halves, HALVES, kind)
-            same_shapes = q_index.shape == kv_index.shape and q_seg.shape == kv_seg.shape
-            kinds = (DIAGONAL,) * same_shapes + kinds + (HALVES,) * (min(len(q_index), len(kv_index)) >= 2)
+        same_shapes = causal and q_index.shape == kv_index.shape and q_seg.shape == kv_seg.shape
+        kind, kinds = runtime_kind(q, kv, causal), (DIAGONAL,) * same_shapes + (ALL_VISIBLE, GENERAL)
     elif kind == DIAGONAL:
         kind, kinds = jnp.where(jnp.all(q_seg == kv_seg), DIAGONAL, GENERAL), (DIAGONAL, GENERAL)
     else:
@@ -314,16 +287,6 @@ def _full(anchor, shape, value, dtype):
 def _where(valid, x, value):
     """x where `valid` (broadcast), else `value`, the fill derived from x (see _full)."""
     return jnp.where(valid, x, _full(x, (), value, x.dtype))
-
-
-def _nothing_visible(q, k, v, *rest):
-    """A quarter with no visible key: (out zeros [b, tq, h, dv] in q's dtype, lse -inf [b, tq, h])."""
-    return _full(q, (*q.shape[:3], v.shape[-1]), 0, q.dtype), _full(q, q.shape[:3], -jnp.inf, jnp.float32)
-
-
-def _no_gradients(q, k, v, *rest):
-    """A quarter with no visible key: float32 zeros like q, k, v."""
-    return tuple(_full(x, x.shape, 0, jnp.float32) for x in (q, k, v))
 
 
 def _params(kind: int, scale: float) -> dict:
@@ -380,7 +343,7 @@ def _served_forward(kind, q, k, v, q_seg, kv_seg, *, scale, max_segments, primit
 
 def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scale, max_segments, primitives):
     """One served kind: float32 (dq [b, tq, h, dqk], dk [b, tk, hkv, dqk], dv [b, tk, hkv, dv])."""
-    batch, _, heads, dqk = q.shape
+    batch, _, _, dqk = q.shape
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     meta = metadata(q_seg, kv_seg, max_segments)
     width = _width(dqk, dv, 0 if dlse is None else 2)
@@ -399,9 +362,12 @@ def _served_backward(kind, q, k, v, q_seg, kv_seg, out, lse, dout, dlse, *, scal
         stats, out, dout, **_params(kind, scale),
     )  # fmt: skip
 
+    group = _group(q, k)
+
     def grouped(x, d):
-        """[b, tk, heads, width] -> float32 [b, tk, kv_heads, d] summed over each group, zero outside segments."""
-        x = x[..., :d].astype(jnp.float32).reshape(batch, tk, kv_heads, heads // kv_heads, d).sum(3)
+        """[b, tk, kv_heads x group, width] -> float32 [b, tk, kv_heads, d] summed over each group, zero outside
+        segments."""
+        x = x[..., :d].astype(jnp.float32).reshape(batch, tk, kv_heads, group, d).sum(3)
         return _where(meta.kv_valid[..., None, None], x, 0)
 
     dq = _where(meta.q_valid[..., None, None], dq[..., :dqk].astype(jnp.float32), 0)
@@ -430,23 +396,8 @@ def forward(
         sides = (q_tokens._replace(segment_ids=q_seg), kv_tokens._replace(segment_ids=kv_seg))
         return general(q, k, v, *sides, options=options, out_dtype=q.dtype)
 
-    def halves(q, k, v, q_seg, kv_seg):
-        """The all-visible quarters, merged: (out [b, tq, h, dv], lse [b, tq, h])."""
-        visible = quarters(q_tokens.index, kv_tokens.index)[1]
-        outs, lses = [], []
-        for i, qs in enumerate(_halves(q.shape[1])):
-            out = _full(q, (*q[:, qs].shape[:3], v.shape[-1]), 0, jnp.float32)
-            lse = _full(q, out.shape[:3], -jnp.inf, jnp.float32)
-            for j, ks in enumerate(_halves(k.shape[1])):
-                quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks])
-                part = _cond(visible[i, j], functools.partial(served, ALL_VISIBLE), _nothing_visible, *quarter)
-                out, lse = merge(out, lse, part[0].astype(jnp.float32), part[1])
-            outs.append(out.astype(q.dtype))
-            lses.append(lse)
-        return jnp.concatenate(outs, axis=1), jnp.concatenate(lses, axis=1)
-
     by_kind = {DIAGONAL: functools.partial(served, DIAGONAL), ALL_VISIBLE: functools.partial(served, ALL_VISIBLE)}
-    by_kind |= {GENERAL: general_call, HALVES: halves}
+    by_kind[GENERAL] = general_call
     q, *segment_ids = _tied(q, q_tokens.segment_ids, kv_tokens.segment_ids)
     out, lse = _switch(kind, q_tokens, kv_tokens, options.causal, max_segments, by_kind, q, k, v, *segment_ids)
     return out.astype(out_dtype or q.dtype), lse
@@ -477,19 +428,7 @@ def backward(
         """The served backward of `kind` as a switch branch (operands as `general`'s)."""
         return lambda *a: served(kind, *a)
 
-    def halves(q, k, v, q_seg, kv_seg, out, lse, dout, dlse):
-        """The all-visible quarters' float32 (dq, dk, dv), each from the call's final out / lse."""
-        visible = quarters(q_tokens.index, kv_tokens.index)[1]
-        grads = [_full(x, x.shape, 0, jnp.float32) for x in (q, k, v)]
-        for i, qs in enumerate(_halves(q.shape[1])):
-            for j, ks in enumerate(_halves(k.shape[1])):
-                quarter = (q[:, qs], k[:, ks], v[:, ks], q_seg[:, qs], kv_seg[:, ks], out[:, qs], lse[:, qs])
-                quarter += (dout[:, qs], None if dlse is None else dlse[:, qs])
-                dq, dk, dv_ = _cond(visible[i, j], kind_of(ALL_VISIBLE), _no_gradients, *quarter)
-                grads = [grads[0].at[:, qs].add(dq), grads[1].at[:, ks].add(dk), grads[2].at[:, ks].add(dv_)]
-        return tuple(grads)
-
-    by_kind = {DIAGONAL: kind_of(DIAGONAL), ALL_VISIBLE: kind_of(ALL_VISIBLE), GENERAL: general_call, HALVES: halves}
+    by_kind = {DIAGONAL: kind_of(DIAGONAL), ALL_VISIBLE: kind_of(ALL_VISIBLE), GENERAL: general_call}
     q, *segment_ids = _tied(q, q_tokens.segment_ids, kv_tokens.segment_ids)
     operands = (q, k, v, *segment_ids, out, lse, dout, dlse)
     grads = _switch(kind, q_tokens, kv_tokens, options.causal, max_segments, by_kind, *operands)

@@ -13,6 +13,7 @@ import pytest
 from tests.train.tiny_run import REPO
 
 
+@pytest.mark.both_stacks  # the docs extra is installed on the newest stack
 @pytest.mark.skipif(importlib.util.find_spec("mkdocs") is None, reason="needs mkdocs: pip install -e '.[docs]'")
 def test_the_manual_builds_strictly(tmp_path):
     site = tmp_path / "site"

@@ -5,12 +5,12 @@ train CONFIG --plan --target h100 --devices 8` compiles, and each checks that th
 compiled program. deepseek-tiny's latent attention and experts take Pallas under the ring and cuDNN under USP; the
 tiny Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under the ring; their
 other cases, and every Qwen3.5-MoE case, are slow (the GPU compiler takes 20-90 s each). The floor stack compiles the
-tiny Llama under the ring (every kernel) and under usp with cuDNN (every collective pattern); the newest stack, which
-GPU machines run, also its usp with Pallas, and its all_gather and ulysses with cuDNN (which compiles the Pallas
-fallback too; their blockwise and Pallas cases, usp with blockwise and none with cuDNN are slow), and the other
-models' cases above. No case may leave the SPMD partitioner a reshard it can only do by replicating a whole tensor
-(XLA logs "Involuntary full rematerialization" on stderr); the embedding lookup over fsdp x context was one
-(parallel/lookup.py).
+tiny Llama under the ring with cuDNN (the default path, with its Pallas fallback); the newest stack, which GPU
+machines run, also its ring with the blockwise kernel and Pallas, its usp with cuDNN and Pallas (every collective
+pattern), and its all_gather and ulysses with cuDNN (their blockwise and Pallas cases, usp with blockwise and none
+with cuDNN are slow), and the other models' cases above. No case may leave the SPMD partitioner a reshard it can
+only do by replicating a whole tensor (XLA logs "Involuntary full rematerialization" on stderr); the embedding
+lookup over fsdp x context was one (parallel/lookup.py).
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -88,7 +88,7 @@ def fast_deepseek(strategy: str, kernel: str) -> bool:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """The slow cases (see the docstring); on the floor stack only the tiny Llama's ring and its USP with cuDNN."""
+    """The slow cases (see the docstring); on the floor stack only the tiny Llama's ring with cuDNN."""
     if (
         (model == "deepseek" and not fast_deepseek(strategy, kernel))
         or (model == "qwen3_5" and (strategy, kernel) not in QWEN3_5)
@@ -99,8 +99,7 @@ def marks(model: str, strategy: str, kernel: str) -> list:
         return [pytest.mark.slow]
     if model == "llama" and (strategy, kernel) in (("usp", "blockwise"), ("none", "cudnn")):
         return [pytest.mark.slow]
-    floor = model == "llama" and (strategy == "ring" or (strategy, kernel) == ("usp", "cudnn"))
-    return [] if floor else [pytest.mark.newest_stack]
+    return [] if (model, strategy, kernel) == ("llama", "ring", "cudnn") else [pytest.mark.newest_stack]
 
 
 def cases() -> list:

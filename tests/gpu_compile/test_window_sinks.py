@@ -59,9 +59,10 @@ def floor(strategies):
     return [pytest.param(s, marks=[] if s == "ring" else [pytest.mark.newest_stack]) for s in strategies]
 
 
-# sinks alone: all_gather and usp repeat the cuDNN calls the ring and ulysses make, so they are slow
-SINKS_ALONE = [p if p.values[0] not in ("all_gather", "usp") else pytest.param(*p.values, marks=pytest.mark.slow)
-               for p in floor(STRATEGIES)]  # fmt: skip
+# sinks alone, on the newest stack (the floor compiles the ring's cuDNN calls in test_ring_cudnn.py): all_gather and
+# usp repeat the cuDNN calls the ring and ulysses make, so they are slow
+SINKS_ALONE = [pytest.param(s, marks=pytest.mark.slow if s in ("all_gather", "usp") else pytest.mark.newest_stack)
+               for s in STRATEGIES]  # fmt: skip
 
 
 @pytest.mark.parametrize("kernel", ["pallas", "cudnn"])

@@ -12,6 +12,8 @@ import pytest
 from parallel import compat, targets
 from tests.train.tiny_run import REPO
 
+pytestmark = pytest.mark.both_stacks  # what differs between JAX versions: CI checks it on both
+
 COMMON_BIND_PARAMETERS = {"scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout"}
 
 

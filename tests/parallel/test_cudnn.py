@@ -9,12 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import kernels
+from parallel import compat, kernels
 from parallel.kernels import Options, Tokens, blockwise, cudnn, pallas
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments
 from tests.parallel.cudnn_standin import STANDIN
 from tests.parallel.test_kernels import HEADS, LENGTH, assert_same, inputs
+
+pytestmark = pytest.mark.both_stacks  # what differs between JAX versions: CI checks it on both
 
 BLOCKS = dict(scale=0.25, block_q=16, block_kv=16)
 
@@ -182,8 +184,8 @@ def test_standin_kernel_equals_blockwise(heads, packed, kind):
 @pytest.mark.newest_stack
 def test_traced_indices_choose_the_kind_at_run_time():
     """Under jit the indices are traced: the diagonal and preceding calls run the stand-in, the others (queries
-    before keys; a dual_chunk ring step, partly visible) are general for one call (queries before keys then runs
-    the blockwise kernel, the ring step its halves), all equal to blockwise."""
+    before keys; a dual_chunk ring step's whole pieces, partly visible) are general and run the blockwise kernel,
+    all equal to blockwise."""
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH))
     preceding = ring_piece_case(True)
@@ -199,28 +201,6 @@ def test_traced_indices_choose_the_kind_at_run_time():
         got = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, q, k, v, *sides(qi, ki), True))
         want = run(blockwise.forward, blockwise.backward, q, k, v, q_side, kv_side, True)
         assert_same(got(q_side.index, kv_side.index), want)
-
-
-@pytest.mark.parametrize("ranks", [(2, 1), pytest.param((1, 2), marks=pytest.mark.newest_stack)])
-def test_dual_chunk_ring_steps_run_as_halves(ranks):
-    """A dual_chunk ring step off the diagonal (rank q_rank's queries against rank kv_rank's piece of 4): neither
-    kind as one call, but its query halves x key halves are each all-visible or invisible, so it runs the served
-    quarters (NaN-returning primitives show they are taken), static and traced, equal to the blockwise kernel."""
-    index = layout_index(4 * LENGTH, 4, "dual_chunk").reshape(4, LENGTH)
-    q_index, kv_index = index[ranks[0]], index[ranks[1]]
-    full = packed_segments(2, 4 * LENGTH, seed=4)
-    q_seg, kv_seg = jnp.asarray(full[:, q_index]), jnp.asarray(full[:, kv_index])
-    assert cudnn.call_kind(q_index, kv_index, True) == cudnn.HALVES
-    q, k, v = inputs(*HEADS["gqa"])
-    sides = lambda qi, ki: (Tokens(q_seg, qi), Tokens(kv_seg, ki))
-    want = run(blockwise.forward, blockwise.backward, q, k, v, *sides(q_index, kv_index), True)
-    assert_same(run(*STANDIN_KERNEL, q, k, v, *sides(q_index, kv_index), True), want)
-    traced = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, q, k, v, *sides(qi, ki), True))
-    assert_same(traced(q_index, kv_index), want)
-    poisoned = [functools.partial(f, primitives=POISONED, max_segments=24) for f in (cudnn.forward, cudnn.backward)]
-    one_document = jnp.ones((2, LENGTH), jnp.int32)  # packed pieces may share no document (all masked out)
-    got = run(*poisoned, q, k, v, Tokens(one_document, q_index), Tokens(one_document, kv_index), True)
-    assert np.isnan(np.asarray(got[2])).any()
 
 
 def test_backward_adds_into_running_sums():
@@ -254,7 +234,8 @@ def primitive_calls(jaxpr) -> list:
 @pytest.mark.parametrize("heads", ["mha", "gqa", "mla"])
 def test_real_primitives_trace(heads):
     """The real forward / backward trace in bfloat16 to the cuDNN wrapper primitives, with the packed metadata
-    ([batch, m] seqlens, [batch, m + 1] offsets), K / V repeated to the query heads and one padded head width."""
+    ([batch, m] seqlens, [batch, m + 1] offsets), K / V with their own heads where JAX's binding allows (else
+    repeated to the query heads) and one padded head width."""
     h, hkv, dqk, dv = HEADS[heads]
     q, k, v = (x.astype(jnp.bfloat16) for x in inputs(h, hkv, dqk, dv))
     seg = jnp.asarray(packed_segments(2, LENGTH))
@@ -268,7 +249,7 @@ def test_real_primitives_trace(heads):
         return cudnn.backward(q, k, v, tokens, tokens, out, lse, out, lse, options=options, max_segments=8)
 
     # static indices: the diagonal's forward and backward only; traced: the run-time switch's served branches,
-    # the diagonal, all-visible and the four quarters of halves
+    # the diagonal and all-visible
     fixed = primitive_calls(jax.make_jaxpr(functools.partial(loss, index=index))(q, k, v).jaxpr)
     assert [e.primitive.name for e in fixed] == [
         "dot_product_attention_fwd_wrapper",
@@ -276,13 +257,15 @@ def test_real_primitives_trace(heads):
     ]
     assert [e.params["mask_type"] for e in fixed] == [cudnn.MASKS[cudnn.DIAGONAL]] * 2
     calls = primitive_calls(jax.make_jaxpr(loss)(q, k, v, index).jaxpr)
-    names = ["dot_product_attention_fwd_wrapper"] * 6 + ["dot_product_attention_bwd_wrapper"] * 6
+    names = ["dot_product_attention_fwd_wrapper"] * 2 + ["dot_product_attention_bwd_wrapper"] * 2
     assert [e.primitive.name for e in calls] == names
-    masks = [cudnn.MASKS[cudnn.DIAGONAL]] + [cudnn.MASKS[cudnn.ALL_VISIBLE]] * 5
+    masks = [cudnn.MASKS[cudnn.DIAGONAL], cudnn.MASKS[cudnn.ALL_VISIBLE]]
     assert [e.params["mask_type"] for e in calls] == masks * 2
-    width = max(dqk, dv + 2)  # the backward carries dlse in two extra value features
-    q_op, k_op, v_op, _, q_len, _, q_off = calls[6].invars[:7]
-    assert q_op.aval.shape == k_op.aval.shape == v_op.aval.shape == (2, LENGTH, h, -(-width // 8) * 8)
+    width = -(-max(dqk, dv + 2) // 8) * 8  # the backward carries dlse in two extra value features
+    q_op, k_op, v_op, _, q_len, _, q_off = calls[2].invars[:7]
+    kv_heads = hkv if compat.cudnn_packed_gqa() else h  # K / V repeated where JAX's binding needs it
+    assert q_op.aval.shape == (2, LENGTH, h, width)
+    assert k_op.aval.shape == v_op.aval.shape == (2, LENGTH, kv_heads, width)
     assert q_len.aval.shape == (2, 8) and q_off.aval.shape == (2, 9)
     assert calls[0].outvars[1].aval.shape == (2 * 8, h, LENGTH)
     shapes = jax.eval_shape(loss, q, k, v, index)
@@ -294,10 +277,10 @@ def test_which_calls_and_backends_it_serves():
     assert cudnn.call_kind(index, index, True) == cudnn.DIAGONAL
     assert cudnn.call_kind(index + 8, index, True) == cudnn.ALL_VISIBLE
     assert cudnn.call_kind(index, index + 8, False) == cudnn.ALL_VISIBLE
-    with pytest.raises(cudnn.Unservable, match=r"causal diagonal .*, keys that all precede the queries, or query"):
+    with pytest.raises(cudnn.Unservable, match=r"causal diagonal .* or keys that all precede the queries"):
         cudnn.call_kind(index, index + 4, True)
-    with pytest.raises(cudnn.Unservable):  # one query has no halves
-        cudnn.call_kind(index[3:4], index, True)
+    with pytest.raises(cudnn.Unservable):  # a dual_chunk ring step's whole pieces: the ring calls its halves
+        cudnn.call_kind(*layout_index(32, 4, "dual_chunk").reshape(4, 8)[[2, 1]], True)
     # static diagonal indices with key segment ids unlike the queries' (a key padding mask): run-time general
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH))
@@ -315,7 +298,7 @@ def test_which_calls_and_backends_it_serves():
     got = jax.jit(lambda i: run(*STANDIN_KERNEL, q, k, v, Tokens(seg, i), Tokens(seg, i), False))(shuffled)
     want = run(blockwise.forward, blockwise.backward, q, k, v, Tokens(seg, shuffled), Tokens(seg, shuffled), False)
     assert_same(got, want)
-    # traced, one query against keys around it runs the blockwise kernel (no halves branch to trace)
+    # traced, one query against keys around it runs the blockwise kernel
     q, k, v = inputs(*HEADS["gqa"], tq=1)
     one, seg = jnp.ones((2, 1), jnp.int32), jnp.ones((2, LENGTH), jnp.int32)
     sides = lambda qi, ki: (Tokens(one, qi), Tokens(seg, ki))

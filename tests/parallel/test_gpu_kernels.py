@@ -1,9 +1,9 @@
 """On a GPU only (skipped elsewhere): the real cuDNN and Pallas (Triton) kernels equal the blockwise kernel on the
 same bfloat16 inputs, in out, lse, dq, dk and dv through a loss with a nonzero lse cotangent, for every kind of call
 the strategies make: the causal diagonal and a non-causal call, on packed and unpacked rows; keys that all precede
-the queries (a ring step), also all in other documents (every packed slot empty); a dual_chunk ring step off the
-diagonal (cuDNN: its halves); striped global indices (cuDNN: its general kernel, Pallas). MHA, GQA and MLA head dims;
-indices static and traced.
+the queries (a ring step), also all in other documents (every packed slot empty); two whole dual_chunk pieces off
+the diagonal ("halves": the ring calls each half all-visible, cuDNN sends the whole to its general kernel, Pallas);
+striped global indices (cuDNN: its general kernel, Pallas). MHA, GQA and MLA head dims; indices static and traced.
 
     python -m pytest -q tests/parallel/test_gpu_kernels.py
 """

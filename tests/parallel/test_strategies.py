@@ -140,20 +140,20 @@ def test_strategy_with_the_pallas_kernel(strategy):
     "strategy, shards, layout",
     [
         ("none", 1, "contiguous"),
-        ("ring", 2, "dual_chunk"),
+        pytest.param("ring", 2, "dual_chunk", marks=pytest.mark.both_stacks),  # GQA as JAX's binding takes it
         ("all_gather", 4, "dual_chunk"),
         ("all_gather", 2, "contiguous"),
         ("all_gather", 4, "striped"),
         ("ulysses", 4, "dual_chunk"),
         ("ulysses", 2, "striped"),
-        ("usp", 4, "dual_chunk"),
+        pytest.param("usp", 4, "dual_chunk", marks=pytest.mark.both_stacks),
     ],
 )
 def test_strategy_with_the_cudnn_kernel(strategy, shards, layout, monkeypatch):
     """cuDNN (the dense stand-in of its primitives) serves every attention call of these strategies and layouts,
-    packed and unpacked (the ring's and usp's steps causal only, which keeps their run-time kind switch's compile
-    short): the blockwise kernel behind it returns NaN, yet outputs and gradients equal the reference. (A striped
-    all_gather, which cuDNN cannot serve, runs the blockwise kernel itself.)"""
+    packed and unpacked (the ring's and usp's steps causal only, to keep their compile short): the blockwise kernel
+    behind it returns NaN, yet outputs and gradients equal the reference. (A striped all_gather, which cuDNN cannot
+    serve, runs the blockwise kernel itself.)"""
     serve_cudnn_with_standin(monkeypatch)
     case_list = [("gqa", True)] if strategy in ("ring", "usp") else [("gqa", True), ("mla", False)]
     check_strategy(strategy, shards, layout, case_list=case_list, kernel="cudnn")

@@ -80,6 +80,7 @@ def restore(directory: pathlib.Path, iterator):
         checkpointer.close()
 
 
+@pytest.mark.both_stacks  # JAX's distributed runtime
 def test_a_data_position_written_by_two_processes_resumes_in_one(two_process_checkpoint, tmp_path):
     source, saved = two_process_checkpoint
     directory = pathlib.Path(shutil.copytree(source, tmp_path / "checkpoints"))
