@@ -62,22 +62,30 @@ def triton_kernels(text: str) -> list[str]:
     return sorted(name for line in calls for name in re.findall(r'name = "(\w+)"', line))
 
 
-@pytest.mark.parametrize("length", list(LENGTHS))
-@pytest.mark.parametrize("head_dims", list(HEAD_DIMS))
+def on_the_newest_stack(*cases, floor=None) -> list:
+    """`cases` (tuples of arguments) as parameters, each but `floor` marked newest_stack (the floor stack compiles
+    that one, and Pallas behind cuDNN in test_train_step.py)."""
+    return [pytest.param(*case, marks=[] if case == floor else [pytest.mark.newest_stack]) for case in cases]
+
+
+BFLOAT16 = on_the_newest_stack(*((h, n) for h in HEAD_DIMS for n in LENGTHS), floor=("128", "whole_blocks"))
+
+
+@pytest.mark.parametrize("head_dims, length", BFLOAT16)
 def test_kernels_fit_an_h100_in_bfloat16(head_dims, length):
     """Causal (the training call)."""
     text = compile_for_h100(*HEAD_DIMS[head_dims], LENGTHS[length], jnp.bfloat16, causal=True)
     assert triton_kernels(text) == KERNELS
 
 
-@pytest.mark.parametrize("head_dims", ["mla", "256"])
+@pytest.mark.parametrize("head_dims", on_the_newest_stack(("mla",), ("256",)))
 def test_kernels_fit_an_h100_in_float32(head_dims):
     """The widest rows (float32 at the largest head dims: the smallest tiles), not causal, ragged length."""
     text = compile_for_h100(*HEAD_DIMS[head_dims], LENGTHS["ragged"], jnp.float32, causal=False)
     assert triton_kernels(text) == KERNELS
 
 
-@pytest.mark.parametrize("head_dims", ["128", "mla"])
+@pytest.mark.parametrize("head_dims", on_the_newest_stack(("128",), ("mla",)))
 def test_windowed_kernels_fit_an_h100(head_dims):
     """A sliding window (its bounds in each block-skip test and mask) in bfloat16 on the ragged length."""
     text = compile_for_h100(*HEAD_DIMS[head_dims], LENGTHS["ragged"], jnp.bfloat16, causal=True, window=100)

@@ -6,9 +6,8 @@ compiled program. deepseek-tiny's latent attention and experts take Pallas under
 tiny Qwen3.5 (Gated DeltaNet: its convolution and state passing over the context devices) cuDNN under the ring; their
 other cases, and every Qwen3.5-MoE case, are slow (the GPU compiler takes 20-90 s each). The floor stack compiles the
 tiny Llama under the ring with cuDNN (the default path, with its Pallas fallback); the newest stack, which GPU
-machines run, also its ring with the blockwise kernel and Pallas, its usp with cuDNN and Pallas (every collective
-pattern), and its all_gather and ulysses with cuDNN (their blockwise and Pallas cases, usp with blockwise and none
-with cuDNN are slow), and the other models' cases above. No case may leave the SPMD partitioner a reshard it can
+machines run, also its usp with cuDNN (every collective pattern) and the other models' cases above; the tiny
+Llama's other cases are slow. No case may leave the SPMD partitioner a reshard it can
 only do by replicating a whole tensor (XLA logs "Involuntary full rematerialization" on stderr); the embedding
 lookup over fsdp x context was one (parallel/lookup.py).
 
@@ -95,9 +94,7 @@ def marks(model: str, strategy: str, kernel: str) -> list:
         or model == "qwen3_5_moe"
     ):
         return [pytest.mark.slow]
-    if model == "llama" and strategy in ("none", "all_gather", "ulysses") and kernel != "cudnn":
-        return [pytest.mark.slow]
-    if model == "llama" and (strategy, kernel) in (("usp", "blockwise"), ("none", "cudnn")):
+    if model == "llama" and (strategy, kernel) not in (("ring", "cudnn"), ("usp", "cudnn")):
         return [pytest.mark.slow]
     return [] if (model, strategy, kernel) == ("llama", "ring", "cudnn") else [pytest.mark.newest_stack]
 
@@ -128,7 +125,10 @@ def test_train_step_compiles_for_h100(model, strategy, kernel, capfd):
     assert 0 < plan.total < 2**30
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", pytest.param("ulysses", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "strategy",
+    [pytest.param("all_gather", marks=pytest.mark.newest_stack), pytest.param("ulysses", marks=pytest.mark.slow)],
+)
 def test_parameters_split_over_fsdp_and_context_are_not_replicated(strategy, capfd):
     """The embedding table split on embed over fsdp x context: a plain `take` left its rows in the table's sharding,
     which the partitioner could only replicate to reach the residual stream's (forward and backward)."""

@@ -1,7 +1,8 @@
 """Sliding windows and attention sinks compile for H100s under every context strategy (parallel.attention, forward
 and backward, bfloat16, GQA, packed rows, 4 compile-only devices, dual_chunk): with a window every call goes to the
 Pallas kernel (cuDNN leaves windows to its general kernel), and with sinks alone the cuDNN path keeps its cuDNN
-calls, the sinks' lse cotangent included.
+calls, the sinks' lse cotangent included. By default the ring (and usp's ring, windowed under cuDNN) on the newest
+stack; the other strategies are slow.
 
     python -m pytest -q tests/gpu_compile/test_window_sinks.py
 """
@@ -54,25 +55,23 @@ def custom_calls(strategy: str, kernel: str, window: int | None) -> set[str]:
     return set(re.findall(r'custom_call_target="([^"]+)"', text))
 
 
-def floor(strategies):
-    """The strategies as parameters, all but the ring marked newest_stack (the floor stack compiles the ring's)."""
-    return [pytest.param(s, marks=[] if s == "ring" else [pytest.mark.newest_stack]) for s in strategies]
+def cases(*default) -> list:
+    """(strategy, kernel) of every strategy and kernel: `default` on the newest stack (the floor compiles the ring's
+    cuDNN calls in test_ring_cudnn.py), the others slow."""
+    return [
+        pytest.param(s, k, marks=pytest.mark.newest_stack if (s, k) in default else pytest.mark.slow)
+        for s in STRATEGIES
+        for k in ("pallas", "cudnn")
+    ]
 
 
-# sinks alone, on the newest stack (the floor compiles the ring's cuDNN calls in test_ring_cudnn.py): all_gather and
-# usp repeat the cuDNN calls the ring and ulysses make, so they are slow
-SINKS_ALONE = [pytest.param(s, marks=pytest.mark.slow if s in ("all_gather", "usp") else pytest.mark.newest_stack)
-               for s in STRATEGIES]  # fmt: skip
-
-
-@pytest.mark.parametrize("kernel", ["pallas", "cudnn"])
-@pytest.mark.parametrize("strategy", floor(STRATEGIES))
+@pytest.mark.parametrize("strategy, kernel", cases(("ring", "pallas"), ("ring", "cudnn"), ("usp", "cudnn")))
 def test_a_window_with_sinks_compiles_to_the_pallas_kernel(strategy, kernel):
     calls = custom_calls(strategy, kernel, WINDOW)
     assert "__gpu$xla.gpu.triton" in calls and not any(call.startswith("__cudnn") for call in calls), calls
 
 
-@pytest.mark.parametrize("strategy", SINKS_ALONE)
-def test_sinks_alone_keep_the_cudnn_calls(strategy):
-    calls = custom_calls(strategy, "cudnn", None)
+@pytest.mark.parametrize("strategy, kernel", [p for p in cases(("ring", "cudnn")) if p.values[1] == "cudnn"])
+def test_sinks_alone_keep_the_cudnn_calls(strategy, kernel):
+    calls = custom_calls(strategy, kernel, None)
     assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= calls, calls
