@@ -101,7 +101,7 @@ def assert_estimated(text: str) -> None:
     assert "where the step goes: " in text
 
 
-@pytest.mark.newest_stack
+@pytest.mark.slow
 def test_h200_plan_has_its_memory_and_hosts():
     argv = [str(TINY), *OVERRIDES, "mesh.fsdp=-1", "--plan", "--target", "h200", "--devices", "16"]
     status, text, plan = plan_from_cli(argv)
