@@ -6,11 +6,11 @@ the public wrapper, whose VJP drops the softmax statistics' cotangent. What the 
 - Masks: cuDNN knows segments (from seqlens / offsets) and top-left causality within a segment, not global token
   indices. So a call is served only when queries and keys are each in increasing global order (then every
   document is one run of the row), and is the causal DIAGONAL (queries and keys one token set: PADDING_CAUSAL) or
-  ALL_VISIBLE within segments (non-causal, or every key precedes every query: PADDING); a ring step is one of these
-  by construction (parallel/strategies/ring_steps.py). Anything else is `Unservable` when the indices are static
-  (the selected kernel then runs its general kernel: Pallas on GPU), and runs that general kernel (a `lax.switch`
-  branch) when they are traced or the row has more segments than `max_segments`. Static indices compile only their
-  kind and that fallback; traced ones compile every kind the call could be.
+  ALL_VISIBLE within segments (non-causal, or every key precedes every query: PADDING); a dual_chunk or contiguous
+  ring step is one of these by construction (parallel/strategies/ring_steps.py). Anything else is `Unservable` when
+  the indices are static (the selected kernel then runs its general kernel: Pallas on GPU), and runs that general
+  kernel (a `lax.switch` branch) when they are traced or the row has more segments than `max_segments`. Static
+  indices compile only their kind and that fallback; traced ones compile every kind the call could be.
 - Metadata: a row's segment id s occupies slot s - (smallest query id of the row); each segment must be one
   contiguous run of the row (documents are; so are a load-balanced piece's, which keeps global order). A row's
   query ids may span at most m ids: a call with more runs the general kernel (a run-time branch). cuDNN pads every
