@@ -1,8 +1,8 @@
 """`python -m train CONFIG --plan --target h100|h200 --devices N`: the plan is the GPU compiler's buffer assignment
 of the step a GPU run compiles; the fit verdict uses the memory a run lets XLA take; bad targets and device counts
-are named before anything compiles; the plan prints a speed estimate; and (slow) each 128K recipe fits its GPUs with
-each attention kernel, with no reshard the partitioner can only do by replicating a tensor, and with cuDNN in at most
-5% more than blockwise."""
+are named before anything compiles; the plan prints a speed estimate; and (slow) host offload plans for a GPU, and
+each 128K recipe fits its GPUs with each attention kernel, with no reshard the partitioner can only do by replicating
+a tensor, and with cuDNN in at most 5% more than blockwise."""
 
 import contextlib
 import io
@@ -110,7 +110,7 @@ def test_h200_plan_has_its_memory_and_hosts():
     assert "h200: 141.00 GiB per device" in text
 
 
-@pytest.mark.newest_stack
+@pytest.mark.slow
 def test_host_offload_plans_for_a_gpu(capsys):
     """Refused on CPU, where there is no host memory apart from the device's, but a GPU has one."""
     argv = [str(TINY), *OVERRIDES, "model.num_layers=1", "compute.remat_policy=offload_projections", "--plan"]

@@ -67,6 +67,7 @@ def test_equals_transformers_qwen3_5_layer():
     assert relative_error(actual, expected) <= 1e-5
 
 
+@pytest.mark.slow  # the kernel split: tests/parallel/test_gated_delta.py; the model: tests/models/test_families.py
 @pytest.mark.parametrize("layout", ["dual_chunk"])
 def test_ring_over_8_devices_equals_one_device(layout):
     batch, length, shards = 2, 128, 8

@@ -157,38 +157,40 @@ TOLERANCE = {"qwen3_5": 1e-4, "qwen3_5_moe": 2e-4, "qwen3_next": 2e-4}
 
 def newest(*case):
     """A case the floor stack skips: expert, tensor and other-strategy variants, whose paths the floor checks in
-    tests/train/test_tensor_parallel.py, tests/parallel/test_experts.py and tests/parallel/test_strategies.py, and
-    qwen2 / mistral, config variants of the Llama class that qwen3's case runs."""
+    tests/train/test_tensor_parallel.py, tests/parallel/test_experts.py and tests/parallel/test_strategies.py."""
     return pytest.param(*case, marks=pytest.mark.newest_stack)
+
+
+def slow(*case):
+    """A case left to `-m slow`: qwen2 / mistral (config variants of the Llama class that qwen3's case runs), and
+    variants whose layers another default case splits the same way (mixtral's experts: qwen3_moe's; qwen3_5's packed
+    rows: its long document; windows by layer type: gpt_oss'; qwen3_next's experts beside Gated DeltaNet: qwen3_5_moe
+    and qwen3_moe's expert2-ring4; tensor-parallel GPT-OSS: qkv-tensor4 and gemma3-tensor4)."""
+    return pytest.param(*case, marks=pytest.mark.slow)
 
 
 @pytest.mark.parametrize(
     "model, mesh_config, parallel_config, make_batch",
     [
         *(
-            newest(FAMILIES[name], MeshConfig(fsdp=1, context=8), RING, packed_batch)
-            if name in ("qwen2", "mistral")
+            slow(FAMILIES[name], MeshConfig(fsdp=1, context=8), RING, packed_batch)
+            if name in ("qwen2", "mistral", "mixtral", "qwen3_5")
             else (FAMILIES[name], MeshConfig(fsdp=1, context=8), RING, packed_batch)
             for name in FAMILIES
         ),
-        # Mixtral's windows in MoE blocks that differ by layer: slow (GPT-OSS's case below has them too)
-        *(
-            pytest.param(*case, marks=pytest.mark.slow) if name == "mixtral-layer-types" else case
-            for name in WINDOWED
-            for case in [(WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch)]
-        ),
+        *(slow(WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
         (FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=8), RING, long_document_batch),
         newest(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
         newest(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
-        newest(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
+        slow(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         # the same decoder class as Qwen3-Next's case below, without its dense layer
         pytest.param(QWEN3_5_MOE, MeshConfig(fsdp=1, context=8), RING, packed_batch, marks=pytest.mark.slow),
-        newest(QWEN3_NEXT, MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
+        slow(QWEN3_NEXT, MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         newest(BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
         newest(WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
         (GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
-        newest(GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
-        newest(GPT_OSS, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
+        slow(GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
+        slow(GPT_OSS, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
         # all_gather and ulysses with windows and sinks: tests/parallel/test_strategy_windows.py; here slow
         *(
             newest(GPT_OSS, *STRATEGIES[name], long_document_batch)

@@ -118,11 +118,13 @@ def test_strategy_matches_reference(strategy, shards):
 @pytest.mark.parametrize(
     "strategy,layout,stripe",
     [
-        ("ring", "contiguous", 1),
+        pytest.param(
+            "ring", "contiguous", 1, marks=pytest.mark.slow
+        ),  # the ring's steps: tests/parallel/test_ring_steps.py
         ("ring", "striped", 2),
-        ("all_gather", "striped", 1),
+        pytest.param("all_gather", "striped", 1, marks=pytest.mark.slow),
         ("ulysses", "contiguous", 1),
-        ("usp", "striped", 2),
+        pytest.param("usp", "striped", 2, marks=pytest.mark.slow),
     ],
 )
 def test_other_layouts(strategy, layout, stripe):
@@ -139,10 +141,10 @@ def test_strategy_with_the_pallas_kernel(strategy):
 @pytest.mark.parametrize(
     "strategy, shards, layout",
     [
-        ("none", 1, "contiguous"),
+        pytest.param("none", 1, "contiguous", marks=pytest.mark.slow),  # the kernel alone: tests/parallel/test_cudnn.py
         pytest.param("ring", 2, "dual_chunk", marks=pytest.mark.both_stacks),  # GQA as JAX's binding takes it
         ("all_gather", 4, "dual_chunk"),
-        ("all_gather", 2, "contiguous"),
+        pytest.param("all_gather", 2, "contiguous", marks=pytest.mark.slow),
         ("all_gather", 4, "striped"),
         ("ulysses", 4, "dual_chunk"),
         ("ulysses", 2, "striped"),

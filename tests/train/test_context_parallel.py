@@ -64,6 +64,7 @@ def logged(output: pathlib.Path) -> list[dict]:
     return [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # two end-to-end runs; the step's equality: test_strategy_step_equals_one_context_device
 def test_ring_run_over_8_devices_logs_the_losses_of_one_context_device(tmp_path, capfd):
     run(load_config(REPO / "configs" / "tiny.yaml", [*RUN, f"train.output_dir={tmp_path / 'one'}"]))
     run(

@@ -97,7 +97,7 @@ def test_sigterm_saves_and_resumes_exactly(reference, tmp_path):
     assert losses(tmp_path) == reference
 
 
-@pytest.mark.newest_stack
+@pytest.mark.slow  # the partial checkpoint it leaves: test_corrupt_newest_and_leftover_partial_checkpoints_are_skipped
 def test_sigkill_while_a_checkpoint_is_written_resumes_exactly(reference, tmp_path):
     """Killed while the checkpoint of step 4 or later is written, after steps beyond the last complete one were
     logged: the rerun resumes from that one, logs those steps once more (each once) and leaves no partial

@@ -33,7 +33,7 @@ def sample(name: str, mesh_config: MeshConfig, devices: int) -> str:
     "name, mesh_config",
     [
         ("deepseek-tiny", MeshConfig(fsdp=4, tensor=2)),
-        ("deepseek-tiny", MeshConfig(fsdp=2, expert=2, context=2)),
+        pytest.param("deepseek-tiny", MeshConfig(fsdp=2, expert=2, context=2), marks=pytest.mark.slow),
     ],
 )
 def test_sample_on_a_mesh_equals_one_device(name, mesh_config):
