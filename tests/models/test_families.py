@@ -163,9 +163,10 @@ def newest(*case):
 
 def slow(*case):
     """A case left to `-m slow`: qwen2 / mistral (config variants of the Llama class that qwen3's case runs), and
-    variants whose layers another default case splits the same way (mixtral's experts: qwen3_moe's; qwen3_5's packed
-    rows: its long document; windows by layer type: gpt_oss'; qwen3_next's experts beside Gated DeltaNet: qwen3_5_moe
-    and qwen3_moe's expert2-ring4; tensor-parallel GPT-OSS: qkv-tensor4 and gemma3-tensor4)."""
+    variants whose layers another default case splits the same way (experts under the ring: qwen3_moe's
+    expert2-ring4; qwen3_5's packed rows and its tensor split: its long document and qkv-tensor4; windows and sinks:
+    gpt_oss under usp; qwen3_next's experts beside Gated DeltaNet: qwen3_5_moe's; tensor-parallel windows: qkv-tensor4
+    and tests/parallel/test_strategy_windows.py)."""
     return pytest.param(*case, marks=pytest.mark.slow)
 
 
@@ -174,21 +175,21 @@ def slow(*case):
     [
         *(
             slow(FAMILIES[name], MeshConfig(fsdp=1, context=8), RING, packed_batch)
-            if name in ("qwen2", "mistral", "mixtral", "qwen3_5")
+            if name in ("qwen2", "mistral", "mixtral", "qwen3_5", "qwen3_moe")
             else (FAMILIES[name], MeshConfig(fsdp=1, context=8), RING, packed_batch)
             for name in FAMILIES
         ),
         *(slow(WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
         (FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=8), RING, long_document_batch),
-        newest(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
+        slow(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
         newest(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         slow(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         # the same decoder class as Qwen3-Next's case below, without its dense layer
         pytest.param(QWEN3_5_MOE, MeshConfig(fsdp=1, context=8), RING, packed_batch, marks=pytest.mark.slow),
         slow(QWEN3_NEXT, MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         newest(BIASED_NORMED, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
-        newest(WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
-        (GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
+        slow(WINDOWED["gemma3"], MeshConfig(fsdp=2, tensor=4), PLAIN, long_document_batch),
+        slow(GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
         slow(GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
         slow(GPT_OSS, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
         # all_gather and ulysses with windows and sinks: tests/parallel/test_strategy_windows.py; here slow

@@ -108,7 +108,7 @@ def check_strategy(
         pytest.param("ulysses", 2, marks=pytest.mark.newest_stack),
         ("ulysses", 8),
         pytest.param("usp", 2, marks=pytest.mark.newest_stack),
-        ("usp", 8),
+        pytest.param("usp", 8, marks=pytest.mark.slow),  # usp's ring and ulysses: the 2-device case, cuDNN's usp 4
     ],
 )
 def test_strategy_matches_reference(strategy, shards):

@@ -36,7 +36,7 @@ def plan(name: str, devices: int) -> subprocess.CompletedProcess:
     "name, devices",
     [
         pytest.param("finetune-128k-qwen3-8b", 8, marks=pytest.mark.slow),  # Llama 3.1 8B's recipe's shape
-        ("finetune-128k-qwen3-30b-a3b", 16),
+        pytest.param("finetune-128k-qwen3-30b-a3b", 16, marks=pytest.mark.slow),
         ("finetune-128k-gpt-oss-20b", 8),
     ],
 )

@@ -74,7 +74,9 @@ def references():
         pytest.param(  # experts over expert x context (on the newest stack: tests/models/test_deepseek.py)
             DEEPSEEK, MeshConfig(fsdp=1, expert=2, context=4), RING, marks=pytest.mark.slow
         ),
-        (DEEPSEEK, MeshConfig(fsdp=1, context=2, tensor=4), RING),  # experts over context x tensor (scattered)
+        pytest.param(  # experts over context x tensor (scattered)
+            DEEPSEEK, MeshConfig(fsdp=1, context=2, tensor=4), RING, marks=pytest.mark.slow
+        ),
     ],
     ids=[
         "llama-tensor4-fsdp2",
