@@ -4,9 +4,8 @@ scattered tensor parallelism, expert parallelism with the capacity and the ragge
 train CONFIG --plan --target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the
 compiled program. Both stacks compile the tiny Llama under the ring with cuDNN (the default path, with its Pallas
 fallback); every other case is slow (the GPU compiler takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's recipe,
-135 s). No case may leave the SPMD
-partitioner a reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full rematerialization" on
-stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
+135 s). No case may leave the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs
+"Involuntary full rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -78,12 +77,8 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """The slow cases (see the docstring); on the floor stack only the tiny Llama's ring with cuDNN."""
-    if model in ("deepseek", "qwen3_5", "qwen3_5_moe") or (
-        model == "llama" and (strategy, kernel) != ("ring", "cudnn")
-    ):
-        return [pytest.mark.slow]
-    return [] if (model, strategy, kernel) == ("llama", "ring", "cudnn") else [pytest.mark.newest_stack]
+    """Slow but the tiny Llama's ring with cuDNN, which both stacks compile (see the docstring)."""
+    return [] if (model, strategy, kernel) == ("llama", "ring", "cudnn") else [pytest.mark.slow]
 
 
 def cases() -> list:
