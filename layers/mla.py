@@ -85,21 +85,31 @@ class MLA(nnx.Module):
         else:
             query_in, q_kernel = x, self.q[...]
         kv_low = checkpoint_name(x @ self.kv_a[...].astype(self.dtype), "kv_a_proj")
-        latent = self.kv_a_norm(kv_low[..., : self.kv_lora_rank])
-        tokens = parallel.gather(jnp.concatenate([query_in, latent, kv_low[..., self.kv_lora_rank :]], axis=-1))
-        q_width, kv_width = query_in.shape[-1], query_in.shape[-1] + self.kv_lora_rank
+        normed = self.kv_a_norm(kv_low[..., : self.kv_lora_rank])
+        tokens = parallel.gather(jnp.concatenate([query_in, normed, kv_low[..., self.kv_lora_rank :]], axis=-1))
+        q_width = query_in.shape[-1]
         q = tokens.features(0, q_width).project("btr,rhd->bthd", q_kernel.astype(self.dtype), "h")
         q = checkpoint_name(q, "q_proj")
-        kv = tokens.features(q_width, kv_width).project("btr,rhd->bthd", self.kv_b[...].astype(self.dtype), "h")
+        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
+        rope = lambda x: apply_rope(x, positions, inv_freq, self.rope_factor, interleaved=True)
+        # the latent with its rotated key part: what K/V expand from, and what a ring rotates in their place
+        rotated = tokens.features(q_width).map(
+            lambda x: jnp.concatenate(
+                [x[..., : self.kv_lora_rank], rope(x[:, :, None, self.kv_lora_rank :])[:, :, 0]], -1
+            )
+        )
+        kv_b = self.kv_b[...].astype(self.dtype)
+        kv = rotated.features(0, self.kv_lora_rank).project("btr,rhd->bthd", kv_b, "h")
         k_nope = checkpoint_name(kv[..., : self.qk_nope_head_dim], "k_proj")
         value = checkpoint_name(kv[..., self.qk_nope_head_dim :], "v_proj")
-        k_pe = tokens.features(kv_width).per_head(q.shape[2])
-        inv_freq = jnp.asarray(self.inv_freq, jnp.float32)
-        q_pe = apply_rope(q[..., self.qk_nope_head_dim :], positions, inv_freq, self.rope_factor, interleaved=True)
-        k_pe = apply_rope(k_pe, positions, inv_freq, self.rope_factor, interleaved=True)
+        k_pe = rotated.features(self.kv_lora_rank).per_head(q.shape[2])
+        q_pe = rope(q[..., self.qk_nope_head_dim :])
         query = jnp.concatenate([q[..., : self.qk_nope_head_dim], q_pe], axis=-1)
         key = jnp.concatenate([k_nope, k_pe], axis=-1)
-        out = parallel.attention(query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale)
+        latent = parallel.Latent(rotated, kv_b, self.qk_nope_head_dim)
+        out = parallel.attention(
+            query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale, latent=latent
+        )
         return checkpoint_name(
             parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"), "o_proj"
         )

@@ -1,8 +1,8 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
 tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.lookup` (the
-embedding), `parallel.attention`, `parallel.shard` (logical names), `parallel.residual`, `parallel.gather`,
-`parallel.project_scatter`, `parallel.routed_experts` and, for Gated DeltaNet, `parallel.causal_conv` and
-`parallel.gated_delta` only.
+embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.shard` (logical names),
+`parallel.residual`, `parallel.gather`, `parallel.project_scatter`, `parallel.routed_experts` and, for Gated
+DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
 """
 
 from __future__ import annotations
@@ -13,15 +13,17 @@ import jax
 
 from parallel import compat  # noqa: F401  first of the package: refuses a JAX outside the supported range
 from parallel.experts import routed_experts
+from parallel.latent import Latent
 from parallel.lookup import lookup
 from parallel.mesh import logical_spec
 from parallel.plan import current_plan
 from parallel.recurrent import causal_conv, gated_delta
 from parallel.reorder import LAYOUTS
-from parallel.strategies import STRATEGIES
+from parallel.strategies import ROTATES_LATENT, STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
 __all__ = [
+    "Latent",
     "attention",
     "causal_conv",
     "gated_delta",
@@ -36,7 +38,7 @@ __all__ = [
 
 def attention(
     q, k, v, *, segment_ids=None, causal=True, scale=None, window=None, sinks=None, mesh=None, strategy=None, axis=None,
-    layout=None, stripe=None,
+    layout=None, stripe=None, latent=None,
 ):  # fmt: skip
     """Attention over the (possibly sharded and reordered) sequence.
 
@@ -47,12 +49,19 @@ def attention(
     `window` W (causal only): a query at original index i sees keys j with i - W < j <= i (Hugging Face's
     `sliding_window`); None = no window. `sinks` [heads] float32 (GPT-OSS): a learned logit per head joining every
     query's softmax as one more key of value zero, differentiable; None = none.
+    `latent` (MLA): a `parallel.Latent` whose expansion gives k and v; the strategies that rotate K/V (ring, usp)
+    rotate it instead, the others take k and v.
     Arguments left None come from the plan installed by `parallel.plan.use_plan` (default: strategy "none",
     axis "context", contiguous layout); mesh None = the mesh set by `jax.set_mesh`.
     """
     if sinks is not None and sinks.shape != (q.shape[2],):
         raise ValueError(
             f"attention sinks of shape {sinks.shape} must be [heads] = ({q.shape[2]},), one per query head"
+        )
+    if latent is not None and (latent.kv_b.shape[1], latent.kv_b.shape[2] - latent.nope) != (q.shape[2], v.shape[3]):
+        raise ValueError(
+            f"MLA's latent makes kv_b {latent.kv_b.shape} heads x (nope {latent.nope} + dv); it must make "
+            f"{q.shape[2]} heads of values {v.shape[3]} wide, as the queries and v have"
         )
     given = dict(strategy=strategy, axis=axis, layout=layout, stripe=stripe, mesh=mesh)
     plan = dataclasses.replace(current_plan(), **{key: value for key, value in given.items() if value is not None})
@@ -68,6 +77,7 @@ def attention(
             f"attention strategy {plan.strategy!r} with layout {plan.layout!r} needs a mesh: pass "
             f"mesh= or call inside jax.set_mesh(mesh)"
         )
+    rotates = {"latent": latent} if latent is not None and plan.strategy in ROTATES_LATENT else {}
     return STRATEGIES[plan.strategy](
         q,
         k,
@@ -79,6 +89,7 @@ def attention(
         sinks=None if sinks is None else sinks.astype(jax.numpy.float32),
         plan=plan,
         mesh=mesh,
+        **rotates,
     )
 
 

@@ -267,9 +267,12 @@ def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
     rows = receive_rows(n, k, factor, sources, num_experts // sources)
     layout = ragged_layout(table, jax.lax.axis_index(axes), rows)
     sent = jnp.take(tokens, order // k, axis=0)  # [n * k, embed] sorted by expert, so by device
+    # The receive buffers vary over the devices as the rows do (zeros_like keeps `sent`'s varying axes):
+    # ragged_all_to_all types its result by its output buffer, and from an invariant one JAX would sum the
+    # received rows' gradient over every device before sending it home.
     received = jax.lax.ragged_all_to_all(
         sent,
-        jnp.zeros((rows, d), sent.dtype),
+        jnp.zeros_like(sent, shape=(rows, d)),
         layout.send_offsets,
         layout.send_sizes,
         layout.remote_offsets,

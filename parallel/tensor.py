@@ -61,6 +61,11 @@ class Tokens:
         """The same tokens restricted to features [start, stop)."""
         return Tokens(self.grouped[..., start:stop])
 
+    def map(self, fn) -> Tokens:
+        """The same tokens with fn [batch, length, features] -> [batch, length, features'] applied to each group's
+        copy (a per-token function, e.g. a rotary embedding of some features)."""
+        return Tokens(jax.vmap(fn)(self.grouped))
+
     def project(self, equation: str, kernel: jax.Array, split: str, *, repeat: bool = False) -> jax.Array:
         """Column-parallel einsum `equation` ("bt<x>,<kernel>-><out>", tokens first) whose kernel dimension
         lettered `split` is sharded over `tensor`, e.g. project("bte,ehd->bthd", wq, split="h") -> [batch,

@@ -13,3 +13,5 @@ STRATEGIES = {
     "ulysses": ulysses.attention,
     "usp": usp.attention,
 }
+
+ROTATES_LATENT = ("ring", "usp")  # the strategies that take MLA's latent (parallel/latent.py) in place of K/V

@@ -10,7 +10,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from parallel import kernels
+from parallel import kernels, tensor
 from parallel.kernels import Options, Tokens
 from parallel.mesh import logical_spec
 from parallel.reorder import from_balanced, layout_index, to_balanced
@@ -96,17 +96,32 @@ def whole_sequence(q, k, v, seg, *, shards: int, options: Options, plan):
     return kernel(q, k, v, tokens, tokens, options=options, plan=plan)
 
 
-def run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks=None):
+def run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks=None, latent=None, latent_heads=()):
     """Runs `local(q, k, v, seg, sinks)` on each device's pieces (length sharded over `axis`, batch and heads as the
     logical rules say; sinks [heads] by heads, or None) and returns the global output [batch, length, heads, dv].
-    None segment ids = one document."""
+    None segment ids = one document. Given a `parallel.latent.Latent`, runs `local(q, k, v, seg, sinks, piece)` with
+    piece = (rows [batch, n, kv_lora + rope] of this device, kv_b [kv_lora, heads here, nope + dv], nope), kv_b's
+    heads split as the queries' and then over the mesh axes `latent_heads` (usp's Ulysses axis)."""
     q_spec, kv_spec, seg_spec = specs(mesh, axis)
     seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    operands, in_specs = (q, k, v, seg), (q_spec, kv_spec, kv_spec, seg_spec)
-    if sinks is None:
-        body = lambda q, k, v, seg: local(q, k, v, seg, None)
-    else:
-        body, operands, in_specs = local, (*operands, sinks), (*in_specs, PartitionSpec(q_spec[2]))
+    optional = {}
+    if sinks is not None:
+        optional["sinks"] = sinks, PartitionSpec(q_spec[2])
+    if latent is not None:
+        group = tensor.AXIS if latent.tokens.shards > 1 else None
+        heads = (*(axis_names(q_spec[2]) if q_spec[2] else ()), *axis_names(latent_heads))
+        optional["rows"] = latent.tokens.grouped, PartitionSpec(group, *q_spec[:2], None)
+        optional["kv_b"] = latent.kv_b, PartitionSpec(None, heads or None, None)
+    names = tuple(optional)
+
+    def body(q, k, v, seg, *rest):
+        given = dict(zip(names, rest, strict=True))
+        if latent is None:
+            return local(q, k, v, seg, given.get("sinks"))
+        return local(q, k, v, seg, given.get("sinks"), (given["rows"][0], given["kv_b"], latent.nope))
+
+    operands = (q, k, v, seg, *(x for x, _ in optional.values()))
+    in_specs = (q_spec, kv_spec, kv_spec, seg_spec, *(spec for _, spec in optional.values()))
     in_specs, q_spec = tuple(mention_unit_axes(spec, mesh) for spec in in_specs), mention_unit_axes(q_spec, mesh)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=q_spec, check_vma=False)(*operands)
 

@@ -4,15 +4,19 @@ as its local block, load-balanced when the layout is dual_chunk over the ring si
 
 from __future__ import annotations
 
+from jax import lax
+
 from parallel.kernels import sinks as attention_sinks
 from parallel.strategies.common import axis_shards, global_index, kernel_options, run_sharded
 from parallel.strategies.ring import ring_local
 from parallel.strategies.ulysses import check_heads, gather_heads, gather_sequence, scatter_heads
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh, latent=None):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
-    heads, dv]. plan.axis = (ring axis, ulysses axis)."""
+    heads, dv]. plan.axis = (ring axis, ulysses axis). latent: a `parallel.latent.Latent` making k and v: its rows
+    are gathered over the Ulysses axis (every head needs them) and rotate around the ring in K/V's place, each
+    device expanding them for its heads."""
     if isinstance(plan.axis, str) or len(plan.axis) != 2:
         raise ValueError(f"usp needs axis=(ring axis, ulysses axis), got {plan.axis!r}")
     ring_axis, ulysses_axis = plan.axis
@@ -21,11 +25,16 @@ def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh)
     index = global_index(q.shape[1], plan, ring_shards)
     options = kernel_options(plan, causal=causal, scale=scale, window=window)
 
-    def local(q, k, v, seg, sinks):
-        q, k, v = scatter_heads(q, k, v, ulysses_axis, ulysses_shards)
+    def local(q, k, v, seg, sinks, latent=None):
+        if latent is None:
+            q, k, v = scatter_heads(q, k, v, ulysses_axis, ulysses_shards)
+        else:  # only the queries change hands by heads; k and v go unused
+            rows, kv_b, nope = latent
+            q = lax.all_to_all(q, ulysses_axis, split_axis=2, concat_axis=1, tiled=True)  # as scatter_heads splits
+            latent = gather_sequence(rows, ulysses_axis), kv_b, nope
         seg = gather_sequence(seg, ulysses_axis)
         sinks = attention_sinks.local_heads(sinks, ulysses_axis, ulysses_shards)
         ring = dict(axis=ring_axis, shards=ring_shards, index=index, options=options, plan=plan)
-        return gather_heads(ring_local(q, k, v, seg, sinks, **ring), ulysses_axis)
+        return gather_heads(ring_local(q, k, v, seg, sinks, latent, **ring), ulysses_axis)
 
-    return run_sharded(local, mesh, plan.axis, q, k, v, segment_ids, sinks)
+    return run_sharded(local, mesh, plan.axis, q, k, v, segment_ids, sinks, latent, latent_heads=ulysses_axis)

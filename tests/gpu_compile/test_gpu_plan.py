@@ -102,6 +102,16 @@ def assert_estimated(text: str) -> None:
 
 
 @pytest.mark.slow
+def test_the_1m_recipe_fits_two_h100_hosts():
+    """configs/finetune-1m-llama3.1-8b.yaml: 1M-token rows over 16 H100s (usp: ring 2 x ulysses 8), with an
+    estimate (about a minute)."""
+    recipe = REPO / "configs" / "finetune-1m-llama3.1-8b.yaml"
+    status, text, plan = plan_from_cli([str(recipe), "--plan", "--target", "h100", "--devices", "16"])
+    assert status == 0 and "fits" in text, text
+    assert_estimated(text)
+
+
+@pytest.mark.slow
 def test_h200_plan_has_its_memory_and_hosts():
     argv = [str(TINY), *OVERRIDES, "mesh.fsdp=-1", "--plan", "--target", "h200", "--devices", "16"]
     status, text, plan = plan_from_cli(argv)

@@ -181,6 +181,7 @@ def slow(*case):
         ),
         *(slow(WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
         (FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=8), RING, long_document_batch),
+        (TINY_MLA, MeshConfig(fsdp=1, context=8), RING, packed_batch),  # MLA's latent around the ring
         slow(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
         newest(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         slow(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
@@ -208,6 +209,7 @@ def slow(*case):
         *(f"{name}-ring8" for name in FAMILIES),
         *(f"{name}-long-document-ring8" for name in WINDOWED),
         "qwen3_5-long-document-ring8",
+        "deepseek-ring8",
         "qwen3_5-ring4-tensor2",
         "qwen3_moe-expert2-ring4",
         "mixtral-expert2-ring4",

@@ -5,6 +5,7 @@ under ragged all-to-all's documented semantics."""
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -166,6 +167,23 @@ def test_expert_axes_are_those_that_divide_the_experts():
     assert axes(4, expert=2, tensor=4) == ("expert",)  # tensor=4 does not divide 4 / 2: data parallel
     assert axes(64, context=2, ulysses=2, tensor=2) == ("context", "ulysses", "tensor")
     assert axes(8, fsdp=8) == ()
+
+
+def test_ragged_dispatch_sums_no_rows_gradient_over_devices():
+    """The real ragged_all_to_all (traced: XLA:CPU cannot compile it; the emulation above has its own typing) types its
+    result by its output buffer: from an invariant buffer, JAX summed the received rows' gradient over every device
+    (psum_invariant) before sending it home. No sum in the gradient has the shape of a receive buffer."""
+    mesh_config, plan = MESHES["expert2-context4"]
+    graphdef, state = nnx.split(make_moe("sigmoid"))
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x)[0])
+
+    with use_plan(dataclasses.replace(plan, expert_dispatch="ragged")), jax.set_mesh(make_mesh(mesh_config)):
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, tokens()))
+    buffers = set(re.findall(r"(\w+\[[\d,]+\])(?:\{[^}]*\})? = ragged_all_to_all\[", jaxpr))
+    summed = set(re.findall(r"(\w+\[[\d,]+\])(?:\{[^}]*\})? = psum(?:_invariant)?\[", jaxpr))
+    assert buffers and not buffers & summed, (buffers, summed)
 
 
 def numpy_capacity_reference(moe: MoE, x: np.ndarray, devices: int, factor: float):

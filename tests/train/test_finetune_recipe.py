@@ -139,6 +139,16 @@ def test_full_size_recipes_validate(name, tmp_path):
     assert config.parallel.context_strategy == "ring" and config.compute.remat_policy == "full"
 
 
+def test_the_1m_recipe_stretches_llama_3_1s_rope_and_splits_rows_over_two_hosts(tmp_path):
+    """1,048,576 tokens a row: the rope stretched from Llama 3.1's 131072 positions (llama3 factor 8 -> 64 over 8192),
+    usp over context 2 (the hosts) x ulysses 8 (a host's GPUs), one row per micro-batch."""
+    config = load_config(REPO / "configs" / "finetune-1m-llama3.1-8b.yaml", [f"checkpoint.init_from={tmp_path}"])
+    assert config.data.seq_len == config.model.max_position_embeddings == 1048576
+    assert (config.model.rope_scaling.factor, config.model.rope_scaling.original_max_position_embeddings) == (64, 8192)
+    assert (config.mesh.context, config.mesh.ulysses, config.parallel.context_strategy) == (2, 8, "usp")
+    assert config.train.batch_size == config.train.grad_accum_steps
+
+
 @pytest.mark.parametrize("name", ["finetune-128k-qwen3-8b", "finetune-128k-qwen3-30b-a3b"])
 def test_qwen3_recipes_take_yarn_factor_4_over_32768(name, tmp_path):
     """Qwen's documented 128K setting, stated in the recipe: YaRN 4 x 32768 = 131072 positions."""

@@ -15,6 +15,7 @@ from jax.sharding import NamedSharding
 import models.deepseek
 import models.llama
 from parallel.mesh import make_mesh, state_shardings
+from parallel.plan import Plan, use_plan
 from parallel.tensor import residual_spec
 from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import assert_same_step, first_step, initial_state
@@ -108,9 +109,10 @@ def collectives(hlo: str) -> list[tuple[str, tuple[int, ...]]]:
     return found
 
 
-def compiled_block(block, grad: bool) -> str:
-    """Compiled HLO of `block` on a tensor=4 mesh with the residual stream scattered; forward or forward+backward."""
-    mesh = make_mesh(MeshConfig(fsdp=1, data=2, tensor=TP))
+def compiled_block(block, grad: bool, mesh_config: MeshConfig | None = None) -> str:
+    """Compiled HLO of `block` on a data 2 x tensor 4 mesh (or `mesh_config`'s) with the residual stream scattered;
+    forward or forward+backward."""
+    mesh = make_mesh(mesh_config or MeshConfig(fsdp=1, data=2, tensor=TP))
     graphdef, state = nnx.split(block)
     x = jnp.ones((B, T, 32), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -150,3 +152,17 @@ def test_mla_gathers_only_the_low_rank_outputs():
     assert [shape[-1] for shape in gathered] == [
         DEEPSEEK.q_lora_rank + DEEPSEEK.kv_lora_rank + DEEPSEEK.qk_rope_head_dim
     ]
+
+
+def test_mla_rotates_its_latent_on_the_ring():
+    """Under ring over context 4 with tensor 2 scattered, every collective-permute of MLA's forward and backward
+    carries the latent rows (kv_lora + rope features of a piece's tokens, forward) or their gradient, never K/V."""
+    attention = models.deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0)).attn
+    with use_plan(Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8)):
+        text = compiled_block(attention, grad=True, mesh_config=MeshConfig(fsdp=1, context=4, tensor=2))
+    moved = {
+        tuple(int(d) for d in dims.split(","))
+        for result in re.findall(r"= (\(.*?\)|\S+) collective-permute(?:-start)?\(", text)
+        for dims in re.findall(r"f32\[([\d,]+)\]", result)
+    }
+    assert moved == {(B, T // 4, DEEPSEEK.kv_lora_rank + DEEPSEEK.qk_rope_head_dim)}, moved
