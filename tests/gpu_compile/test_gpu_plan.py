@@ -106,7 +106,7 @@ def test_the_1m_recipe_fits_two_h100_hosts():
     """configs/finetune-1m-llama3.1-8b.yaml: 1M-token rows over 16 H100s (usp: ring 2 x ulysses 8), with an
     estimate (about a minute)."""
     recipe = REPO / "configs" / "finetune-1m-llama3.1-8b.yaml"
-    status, text, plan = plan_from_cli([str(recipe), "--plan", "--target", "h100", "--devices", "16"])
+    status, text, _ = plan_from_cli([str(recipe), "--plan", "--target", "h100", "--devices", "16"])
     assert status == 0 and "fits" in text, text
     assert_estimated(text)
 
