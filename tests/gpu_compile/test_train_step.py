@@ -2,10 +2,11 @@
 strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny (also as Qwen3.5-MoE): packed rows,
 scattered tensor parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m
 train CONFIG --plan --target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the
-compiled program. Both stacks compile the tiny Llama under the ring with cuDNN (the default path, with its Pallas
-fallback); every other case is slow (the GPU compiler takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's recipe,
-135 s). No case may leave the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs
-"Involuntary full rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
+compiled program. The newest stack compiles the tiny Llama under the ring with cuDNN (the default path, with its
+Pallas fallback; the floor compiles the ring's cuDNN steps in tests/gpu_compile/test_ring_cudnn.py); every other case
+is slow (the GPU compiler takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's recipe, 135 s). No case may leave
+the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full
+rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -77,8 +78,9 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """Slow but the tiny Llama's ring with cuDNN, which both stacks compile (see the docstring)."""
-    return [] if (model, strategy, kernel) == ("llama", "ring", "cudnn") else [pytest.mark.slow]
+    """Slow but the tiny Llama's ring with cuDNN, which the newest stack compiles (see the docstring)."""
+    default = (model, strategy, kernel) == ("llama", "ring", "cudnn")
+    return [pytest.mark.newest_stack] if default else [pytest.mark.slow]
 
 
 def cases() -> list:

@@ -181,7 +181,9 @@ def slow(*case):
         ),
         *(slow(WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
         (FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=8), RING, long_document_batch),
-        (TINY_MLA, MeshConfig(fsdp=1, context=8), RING, packed_batch),  # MLA's latent around the ring
+        # MLA's latent around the ring (by default: tests/parallel/test_latent_ring.py and the model's permutes in
+        # tests/train/test_tensor_parallel.py)
+        slow(TINY_MLA, MeshConfig(fsdp=1, context=8), RING, packed_batch),
         slow(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
         newest(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         slow(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
