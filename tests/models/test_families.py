@@ -180,7 +180,8 @@ def slow(*case):
             for name in FAMILIES
         ),
         *(slow(WINDOWED[name], MeshConfig(fsdp=1, context=8), RING, long_document_batch) for name in WINDOWED),
-        (FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=8), RING, long_document_batch),
+        # the hybrid over 8 devices by default: tests/layers/test_gated_deltanet.py, tests/train/test_hung_steps.py
+        slow(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=8), RING, long_document_batch),
         # MLA's latent around the ring (by default: tests/parallel/test_latent_ring.py and the model's permutes in
         # tests/train/test_tensor_parallel.py)
         slow(TINY_MLA, MeshConfig(fsdp=1, context=8), RING, packed_batch),

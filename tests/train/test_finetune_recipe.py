@@ -88,6 +88,7 @@ def test_one_command_takes_an_import_to_a_longer_context_resumes_and_exports(tmp
     assert (rope["rope_type"], rope["factor"], rope["original_max_position_embeddings"]) == ("llama3", 4.0, 256)
 
 
+@pytest.mark.slow  # the newest stack's test_one_command_takes_an_import_to_a_longer_context_... runs the same path
 def test_tiny_recipe_fine_tunes_an_imported_checkpoint_with_context_parallelism(tmp_path):
     """Six steps of the recipe (ring over 8 devices, load-balanced, whole documents) at its own learning rate: the
     first loss is the imported random model's, and the loss falls, which a wrong gradient or rope would stop."""
