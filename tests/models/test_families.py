@@ -163,10 +163,10 @@ def newest(*case):
 
 def slow(*case):
     """A case left to `-m slow`: qwen2 / mistral (config variants of the Llama class that qwen3's case runs), and
-    variants whose layers another default case splits the same way (experts under the ring: qwen3_moe's
-    expert2-ring4; qwen3_5's packed rows and its tensor split: its long document and qkv-tensor4; windows and sinks:
-    gpt_oss under usp; qwen3_next's experts beside Gated DeltaNet: qwen3_5_moe's; tensor-parallel windows: qkv-tensor4
-    and tests/parallel/test_strategy_windows.py)."""
+    variants whose layers another default test splits the same way (experts under the ring: tests/models/
+    test_deepseek.py and tests/parallel/test_experts.py; the hybrid over 8 devices: tests/layers/test_gated_deltanet.py
+    and tests/train/test_hung_steps.py; windows and sinks: tests/parallel/test_strategy_windows.py; MLA's latent ring:
+    tests/parallel/test_latent_ring.py)."""
     return pytest.param(*case, marks=pytest.mark.slow)
 
 
@@ -186,7 +186,8 @@ def slow(*case):
         # tests/train/test_tensor_parallel.py)
         slow(TINY_MLA, MeshConfig(fsdp=1, context=8), RING, packed_batch),
         slow(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
-        newest(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
+        # experts over expert x context by default: tests/models/test_deepseek.py, tests/parallel/test_experts.py
+        slow(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         slow(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         # the same decoder class as Qwen3-Next's case below, without its dense layer
         pytest.param(QWEN3_5_MOE, MeshConfig(fsdp=1, context=8), RING, packed_batch, marks=pytest.mark.slow),
@@ -196,13 +197,8 @@ def slow(*case):
         slow(GPT_OSS, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
         slow(GPT_OSS, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
         slow(GPT_OSS, MeshConfig(fsdp=2, tensor=4), PLAIN, packed_batch),
-        # all_gather and ulysses with windows and sinks: tests/parallel/test_strategy_windows.py; here slow
-        *(
-            newest(GPT_OSS, *STRATEGIES[name], long_document_batch)
-            if name == "usp"
-            else pytest.param(GPT_OSS, *STRATEGIES[name], long_document_batch, marks=pytest.mark.slow)
-            for name in STRATEGIES
-        ),
+        # every strategy with windows and sinks: tests/parallel/test_strategy_windows.py; here slow
+        *(pytest.param(GPT_OSS, *STRATEGIES[name], long_document_batch, marks=pytest.mark.slow) for name in STRATEGIES),
         *(
             pytest.param(WINDOWED["gemma3"], *STRATEGIES[name], long_document_batch, marks=pytest.mark.slow)
             for name in STRATEGIES
