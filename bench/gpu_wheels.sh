@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The wheels a GPU machine with JAX's image but no package registry lacks (grain with array-record and portpicker,
-# tensorboardX), for CPython 3.12 on x86-64, downloaded into DIR (default .whl) on a machine that reaches PyPI.
+# tensorboardX), for CPython 3.12 on x86-64, downloaded into DIR (default .whl) on a machine that reaches PyPI; and
+# FlashAttention-3's library alone (18 MB of its 78 MB CUDA 13 wheel, whose FlashAttention-2 library would not
+# travel), in DIR/flash3/dew_flash_attn, where parallel/kernels/flash3.py loads it from.
 # On the GPU machine, from the repository root:
-#   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl && export PYTHONPATH=/tmp/site
+#   python3 -m pip install --no-index --no-deps --target /tmp/site DIR/*.whl && export PYTHONPATH=/tmp/site:DIR/flash3
 #   python3 bench/on_gpu.py --out /tmp/on_gpu
 set -euo pipefail
 dir="${1:-.whl}"
@@ -13,4 +15,9 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
   --implementation cp "${platforms[@]}" -d "$dir" \
   grain==0.2.18 array-record==0.8.6 portpicker==1.6.0 tensorboardX==2.6.5
-ls -l "$dir"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version "${PYTHON_VERSION:-3.12}" \
+  --implementation cp "${platforms[@]}" -d "$dir/flash3" dew-flash-attn-cu13==0.3.6
+unzip -q -o -d "$dir/flash3" "$dir"/flash3/dew_flash_attn_cu13-*.whl dew_flash_attn/libdew_flash_attn3.so \
+  'dew_flash_attn_cu13-*.dist-info/licenses/*'
+rm "$dir"/flash3/*.whl
+ls -l "$dir" "$dir/flash3/dew_flash_attn"

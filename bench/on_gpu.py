@@ -5,16 +5,19 @@ markdown table per part), `on_gpu.json` (every row, each part's status) and `on_
 
 Parts (bench/gpu_parts.py):
   ceilings      versions, device name and memory; a large bf16 matmul's TFLOP/s and a device-to-device copy's GB/s
-  kernel_tests  tests/parallel/test_gpu_kernels.py (cuDNN and Pallas against blockwise on the GPU), per case
+  kernels       the attention kernels' bake-off: causal fwd+bwd of cuDNN (ours, and JAX's on one document),
+                FlashAttention-3 and Pallas for the recipes' heads (GQA 32/8 x 128 and x 64, MLA 16 x 192/128, GQA
+                16/2 x 256) at 8K, 32K and 128K on rows of 1, 2 and 16 documents, most important first: TFLOP/s per
+                visible pair, as a fraction of the matmul ceiling, and at 8K the errors against blockwise in float32
+  llama_1b      a Llama 3.2 1B train step on one GPU with `auto` at 128K (compile included in its box): tokens/s,
+                MFU (train/flops.py), peak device memory; llama_1b=KERNEL:LENGTH runs another
+  kernel_tests  tests/parallel/test_gpu_kernels.py (cuDNN, FlashAttention-3 and Pallas against blockwise on the GPU),
+                per case
   tiny_train    20 steps of configs/tiny.yaml with the `auto` kernel: its first-contact line and the loss falling
-  attention     causal fwd+bwd on a row of two documents (GQA 32/8 x 128, MLA 16 x 192/128) at 8K, 32K and 128K:
-                TFLOP/s of cuDNN, Pallas and blockwise, and as a fraction of the matmul ceiling
-  llama_1b      Llama 3.2 1B train steps on one GPU: `auto` at 8K, 32K and 128K, each kernel at 32K: tokens/s,
-                MFU (train/flops.py), peak device memory
 
-`--rehearse` runs every part on CPU at toy sizes (Pallas in interpret mode, cuDNN left out), so that on a GPU only
-the GPU is new; CI runs it. A GPU machine without a package registry installs the wheels it lacks first
-(bench/gpu_wheels.sh prepares them; docs/gpus.md).
+`--rehearse` runs every part on CPU at toy sizes (Pallas in interpret mode, the GPU-only kernels reported as not
+available), so that on a GPU only the GPU is new; CI runs it. A GPU machine without a package registry installs the
+wheels it lacks first (bench/gpu_wheels.sh prepares them; docs/gpus.md).
 
     PYTHONPATH=. python bench/on_gpu.py --out /tmp/on_gpu
     PYTHONPATH=. python bench/on_gpu.py --out /tmp/on_gpu --rehearse
@@ -32,18 +35,15 @@ import tempfile
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# (part, argument, seconds allowed): the order they run in. Each part also stops at DEADLINE seconds after the run
-# started; a part with no time left is not run (its status says so).
+# (part, argument, seconds allowed): the order they run in, the most valuable first. Each part also stops at DEADLINE
+# seconds after the run started; a part with no time left is not run (its status says so). The boxes add up to
+# DEADLINE, so that every part gets its whole box.
 PARTS = (
     ("ceilings", "", 25),
-    ("kernel_tests", "", 80),
-    ("tiny_train", "", 55),
-    ("attention", "", 120),
-    ("llama_1b", "auto:8192", 25),
-    ("llama_1b", "auto:32768", 30),
-    ("llama_1b", "pallas:32768", 35),
-    ("llama_1b", "blockwise:32768", 40),
-    ("llama_1b", "auto:131072", 90),
+    ("kernels", "", 150),  # what its box reaches of bakeoff_order (bench/gpu_parts.py), most important first
+    ("llama_1b", "auto:131072", 150),  # compile 40-60 s, then a warm-up and a timed step of 15-25 s each
+    ("kernel_tests", "", 90),  # cuDNN, FlashAttention-3 and Pallas over 12 workers (cuDNN and Pallas: 78 s over 8)
+    ("tiny_train", "", 55),  # 42 s on an H200
 )
 DEADLINE = 470  # seconds: the whole run ends within 8 minutes
 REHEARSAL_SLOWER = 3  # a rehearsal's time boxes: CPU compiles and steps are slower than a GPU's, even at toy sizes
@@ -54,7 +54,7 @@ def run_part(name: str, argument: str, seconds: float, scratch: pathlib.Path, re
     failure) and its status: ok, failed (exit status) or timed out."""
     rows_file = scratch / f"{name}-{argument.replace(':', '-') or 'all'}.jsonl"
     command = [sys.executable, "-m", "bench.gpu_parts", name, "--rows", str(rows_file), "--scratch", str(scratch)]
-    command += ["--argument", argument] * bool(argument) + ["--rehearse"] * rehearse
+    command += ["--argument", argument] * bool(argument) + ["--rehearse"] * rehearse + ["--seconds", f"{seconds:.0f}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     label = f"{name} {argument}".strip()
     log.write(f"\n===== {label} (at most {seconds:.0f} s)\n")
@@ -108,6 +108,9 @@ def markdown(results: list[dict], header: str) -> str:
 
 
 def _cell(value) -> str:
+    """A table cell: floats to 3 significant digits (thousands whole), None empty."""
+    if value is None:
+        return ""
     if isinstance(value, float):
         return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value).replace("|", "/").replace("\n", " ")
@@ -120,7 +123,8 @@ def main() -> int:
     parser.add_argument(
         "--only",
         default="",
-        help="comma-separated parts, or PART=ARGUMENT (llama_1b=auto:131072, attention=131072), to run (default: all)",
+        help="comma-separated parts, or PART=ARGUMENT (llama_1b=pallas:32768, kernels=flash3+cudnn), to run "
+        "(default: all)",
     )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ import re
 
 import numpy as np
 
+from parallel.kernels.flash3 import TARGETS as FLASH3_TARGETS
 from parallel.kernels.visible import FALLBACK
 from parallel.targets import Rates
 from train import hlo
@@ -39,6 +40,7 @@ GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
 # rates do: cuDNN's backward is one call, Pallas' two (dK / dV, then dQ)
 ATTENTION_CALLS = {"attention_forward": 1.0, "attention_dkdv": 1.5, "attention_dq": 1.0}
 SCOPE = re.compile(r"attention_(\w+?)_visible_([0-9.]+)")
+ROWS = re.compile(r"packed_rows_(\d+)")  # FlashAttention-3's flattened rows (parallel/kernels/flash3.py)
 TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 ATTENTION = "attention kernels"
 ATTENTION_GLUE = "attention glue (copies, pads)"
@@ -173,7 +175,7 @@ class Estimator:
         target = instruction.attribute(r'custom_call_target="([^"]+)"') or ""
         flops, rate, part = 0.0, rates.matmul, MEMORY_BOUND
         if op == "custom-call" and (multiple := _attention_multiple(instruction, target)):
-            flops = visible * multiple * _attention_flops(instruction, computation)
+            flops = visible * multiple * _attention_flops(instruction, computation, target)
             rate, part = rates.attention.get(kernel or "cudnn", rates.attention["cudnn"]), ATTENTION
         else:
             if op == "custom-call" and target.startswith(GEMMS):
@@ -284,19 +286,28 @@ def _gemm_flops(instruction: hlo.Instruction, computation: hlo.Computation) -> f
 
 
 def _attention_multiple(instruction: hlo.Instruction, target: str) -> float:
-    """The call's FLOPs in forwards (ATTENTION_CALLS; cuDNN's backward 2.5), or 0 for a call that is not attention."""
+    """The call's FLOPs in forwards (ATTENTION_CALLS; cuDNN's and FlashAttention-3's backward 2.5), or 0 for a call
+    that is not attention."""
     if target.startswith("__cudnn$fmha"):
         return 2.5 if "Backward" in target else 1.0
+    if target in FLASH3_TARGETS:
+        return 2.5 if target == FLASH3_TARGETS[1] else 1.0
     for name, multiple in ATTENTION_CALLS.items():
         if f"/{name}/" in instruction.op_name:
             return multiple
     return 0.0
 
 
-def _attention_flops(instruction: hlo.Instruction, computation: hlo.Computation) -> float:
+def _attention_flops(instruction: hlo.Instruction, computation: hlo.Computation, target: str) -> float:
     """Dense forward FLOPs of an attention call on q [b, tq, h, dqk], k [b, tk, hk, dqk], v [b, tk, hk, dv]:
-    QK^T and PV, 2 per multiply-add."""
-    (b, tq, h, dqk), (_, tk, _, _), v = (_dims(o, computation) for o in instruction.operands[:3])
+    QK^T and PV, 2 per multiply-add. A FlashAttention-3 call holds its b rows flattened, q [b tq, h, d] (its operand
+    0 is dout in the backward: the same shape), and names b in its scope (parallel/kernels/flash3.py)."""
+    shapes = [_dims(o, computation) for o in instruction.operands[:3]]
+    if len(shapes[0]) == 3:
+        rows = int((ROWS.findall(instruction.op_name) or ["1"])[-1])
+        (tokens, heads, width), keys = shapes[0], shapes[2 if target == FLASH3_TARGETS[1] else 1][0]
+        return 2.0 * heads * tokens * keys / rows * 2 * width
+    (b, tq, h, dqk), (_, tk, _, _), v = shapes
     return 2.0 * b * h * tq * tk * (dqk + v[-1])
 
 

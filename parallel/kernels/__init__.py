@@ -2,9 +2,10 @@
 `select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
 lse). Every kernel takes q, k, v, each side's `Tokens` (segment ids and global indices) and the call's `Options`
 (parallel/kernels/arguments.py). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs
-them on CPU), cuDNN flash attention on packed rows (parallel/kernels/cudnn.py; GPU, Hopper; Pallas for the calls it
-cannot serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU kernel and the reference. `auto`
-picks by the devices a step compiles for (see select)."""
+them on CPU), cuDNN flash attention and FlashAttention-3 on packed rows (parallel/kernels/cudnn.py, flash3.py and
+what they share, packed.py; GPU, Hopper, FlashAttention-3 an optional extra; Pallas for the calls they cannot
+serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU kernel and the reference. `auto` picks by
+the devices a step compiles for (see select)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from parallel.kernels import blockwise, cudnn, pallas, visible
+from parallel.kernels import blockwise, cudnn, flash3, packed, pallas, visible
 from parallel.kernels import sinks as attention_sinks
 from parallel.kernels.arguments import Options, Tokens
 
-KERNELS = ("auto", "pallas", "blockwise", "cudnn")
+KERNELS = ("auto", "pallas", "blockwise", "cudnn", "flash3")
+PACKED = ("cudnn", "flash3")  # kernels on packed rows: documents as runs in original order (parallel/kernels/packed.py)
 
 
 class Kernel(NamedTuple):
@@ -40,9 +43,10 @@ def select(
 ) -> Kernel:
     """The kernel named `kernel` for devices of platform `backend` (default: JAX's) and CUDA compute `capability`
     ("9.0"; default: the first GPU's, see hopper). auto = on GPU cuDNN from Hopper (9.0) on, else
-    Pallas; blockwise elsewhere. cudnn runs `general_kernel`'s kernel for the calls it cannot serve
-    (cudnn.Unservable): Pallas on GPU. `interpret=True` runs the Pallas kernels in interpret mode (any backend).
-    Raises ValueError naming the kernel when it is unknown or cannot run on the backend."""
+    Pallas; blockwise elsewhere. cudnn and flash3 (Hopper alone, with its wheel installed) run `general_kernel`'s
+    kernel for the calls they cannot serve (packed.Unservable): Pallas on GPU. `interpret=True` runs the Pallas
+    kernels in interpret mode (any backend). Raises ValueError naming the kernel when it is unknown or cannot run on
+    the backend."""
     backend = backend or jax.default_backend()
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
@@ -57,10 +61,17 @@ def select(
                 f"attention kernel 'cudnn' runs on GPUs of compute capability 9.0 (Hopper) or newer, not {where}; "
                 f"choose pallas (GPU), blockwise or auto"
             )
-        general = select(general_kernel("cudnn", backend), interpret=interpret, backend=backend)
-        forward = functools.partial(cudnn.forward, general=visible.fallback(general.forward))
-        backward = functools.partial(cudnn.backward, general=visible.fallback(general.backward))
-        return _named("cudnn", _or(forward, general.forward), _or(backward, general.backward))
+        return _packed("cudnn", cudnn, backend, interpret)
+    if kernel == "flash3":
+        if compute_capability(backend, capability)[0] != 9:
+            where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
+            raise ValueError(
+                f"attention kernel 'flash3' runs on Hopper GPUs (compute capability 9.0, FlashAttention-3's sm90a "
+                f"code), not {where}; choose cudnn, pallas, blockwise or auto"
+            )
+        if flash3.missing():
+            raise ValueError(flash3.missing())
+        return _packed("flash3", flash3, backend, interpret)
     if backend != "gpu" and not interpret:
         raise ValueError(
             f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "
@@ -73,6 +84,15 @@ def select(
     )
 
 
+def _packed(name: str, module, backend: str, interpret: bool) -> Kernel:
+    """The packed kernel `name` (its module's forward / backward), with the general kernel for the calls it cannot
+    serve."""
+    general = select(general_kernel(name, backend), interpret=interpret, backend=backend)
+    forward = functools.partial(module.forward, general=visible.fallback(general.forward))
+    backward = functools.partial(module.backward, general=visible.fallback(general.backward))
+    return _named(name, _or(forward, general.forward), _or(backward, general.backward))
+
+
 def _named(name: str, forward: Callable, backward: Callable) -> Kernel:
     """The Kernel `name`, each call run in the scope naming it and its visible share (parallel/kernels/visible.py)."""
     return Kernel(name, visible.named(name, forward), visible.named(name, backward))
@@ -83,34 +103,41 @@ BLOCKWISE = _named("blockwise", blockwise.forward, blockwise.backward)
 
 def general_kernel(kernel: str, backend: str | None = None) -> str:
     """The kernel that runs the calls `kernel` cannot serve on devices of platform `backend` (None: JAX's default):
-    for cudnn Pallas on GPU (blockwise elsewhere, where only tests run cudnn, on stand-ins); every other kernel
-    serves every call itself."""
-    if kernel != "cudnn":
+    for cudnn and flash3 Pallas on GPU (blockwise elsewhere, where only tests run them, on stand-ins); every other
+    kernel serves every call itself."""
+    if kernel not in PACKED:
         return kernel
     return "pallas" if (backend or jax.default_backend()) == "gpu" else "blockwise"
 
 
 def hopper(backend: str, capability: str | None) -> bool:
     """Whether GPU compute `capability` (None: the first GPU's, when JAX has a GPU backend) is 9.0 or newer."""
+    return compute_capability(backend, capability) >= (9, 0)
+
+
+def compute_capability(backend: str, capability: str | None) -> tuple[int, int]:
+    """(major, minor) of GPU compute `capability` ("9.0"; None: the first GPU's, when JAX has a GPU backend); (0, 0)
+    off GPU."""
     if backend != "gpu":
-        return False
+        return (0, 0)
     if capability is None:
         try:
             capability = jax.devices("gpu")[0].compute_capability
         except RuntimeError:  # no GPU backend in this process
-            return False
-    return tuple(int(x) for x in capability.split(".")[:2]) >= (9, 0)
+            return (0, 0)
+    major, minor = (int(x) for x in capability.split(".")[:2])
+    return major, minor
 
 
 def _or(kernel: Callable, fallback: Callable) -> Callable:
-    """`kernel`, or `fallback` (the same arguments) for a call it raises cudnn.Unservable on."""
+    """`kernel`, or `fallback` (the same arguments) for a call it raises packed.Unservable on."""
 
     @functools.wraps(kernel)
     def call(*args, **kwargs):
         """kernel(*args, **kwargs), else fallback(*args, **kwargs)."""
         try:
             return kernel(*args, **kwargs)
-        except cudnn.Unservable:
+        except packed.Unservable:
             return fallback(*args, **kwargs)
 
     return call
@@ -139,7 +166,7 @@ def attention(
     options = Options() if options is None else options
     options = dataclasses.replace(options, scale=float(dqk**-0.5 if options.scale is None else options.scale))
     sides = (_filled(q_tokens, batch, tq), _filled(kv_tokens, batch, tk))
-    known = tuple(cudnn.known_at_trace_time(side.index) for side in sides)
+    known = tuple(packed.known_at_trace_time(side.index) for side in sides)
     impl = kernel if isinstance(kernel, Kernel) else select(kernel, interpret=interpret, backend=backend)
     if all(index is not None for index in known):
         static = tuple(index.astype(np.int32) for index in known)
@@ -184,16 +211,25 @@ class Residuals(NamedTuple):
     lse: jax.Array
 
 
-def _attention_fwd(impl, options, static, q, k, v, q_tokens, kv_tokens):
+def _attention_fwd(impl, options, static, *args):
+    """The forward given each input as JAX's CustomVJPPrimal (symbolic zeros are on: see _attention_bwd)."""
+    q, k, v, q_tokens, kv_tokens = jax.tree.map(lambda x: x.value, args, is_leaf=_primal)
     out, lse = impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options)
     return (out, lse), Residuals(q, k, v, q_tokens, kv_tokens, out, lse)
 
 
 def _attention_bwd(impl, options, static, saved: Residuals, cotangents):
-    dout, dlse = cotangents
+    """An lse nothing reads has a symbolic zero cotangent: the kernel then gets dlse None (the packed kernels carry
+    a dlse in two extra value columns, which can take FlashAttention-3 to a wider head's kernel)."""
+    dout, dlse = (None if isinstance(c, SymbolicZero) else c for c in cotangents)
+    dout = jnp.zeros_like(saved.out) if dout is None else dout
     sides = _sides(static, saved.q_tokens, saved.kv_tokens)
     dq, dk, dv = impl.backward(saved.q, saved.k, saved.v, *sides, saved.out, saved.lse, dout, dlse, options=options)
     return dq, dk, dv, None, None
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+def _primal(x) -> bool:
+    return isinstance(x, CustomVJPPrimal)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)

@@ -3,11 +3,11 @@
 The backward pass of each gather is a reduce-scatter of dK / dV. K and V are gathered separately: stacking them
 into one collective would copy the whole gathered sequence twice more (stack, then slice for the kernel).
 
-Under cuDNN (whose masks know segments and top-left causality, not global indices) the gathered K/V are put in
-original order and each query chunk of the local piece (one, or two in dual_chunk) makes two calls merged by
-log-sum-exp: its own keys (the causal diagonal) and every key before the chunk, later keys masked as padding
-(all-visible). Other layouts (striped: many chunks per piece) and windowed calls run cuDNN's general kernel (Pallas on
-GPU), which it would fall back to for every call anyway.
+Under a packed kernel (cuDNN's or FlashAttention-3's, whose masks know segments and each run's own causality, not
+global indices) the gathered K/V are put in original order and each query chunk of the local piece (one, or two in
+dual_chunk) makes two calls merged by log-sum-exp: its own keys (the causal diagonal) and every key before the chunk,
+later keys masked as padding (all-visible). Other layouts (striped: many chunks per piece) and windowed calls run the
+kernel's general kernel (Pallas on GPU), which it would fall back to for every call anyway.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from parallel.strategies.common import (
     kernel,
     kernel_options,
     local_piece,
+    plan_kernel,
     run_sharded,
     wants_original_order,
 )
@@ -42,15 +43,15 @@ def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh)
     when that is less than the whole sequence."""
     axis, shards = plan.axis, axis_shards(mesh, plan.axis)
     index = global_index(q.shape[1], plan, shards)
-    cudnn, chunked = wants_original_order(plan), plan.layout in ("contiguous", "dual_chunk") or shards == 1
-    if cudnn and (not chunked or window is not None):  # striped, or a window: no call cuDNN serves, so compile none
-        plan = dataclasses.replace(plan, kernel=kernels.general_kernel("cudnn", plan.platform))
+    in_order, chunked = wants_original_order(plan), plan.layout in ("contiguous", "dual_chunk") or shards == 1
+    if in_order and (not chunked or window is not None):  # striped, or a window: no call a packed kernel serves
+        plan = dataclasses.replace(plan, kernel=kernels.general_kernel(plan_kernel(plan).name, plan.platform))
     options = kernel_options(plan, causal=causal, scale=scale, window=window)
     found = halo.shifts(index, shards, window)
     if found is not None:
         exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, plan=plan)
         return run_sharded(functools.partial(halo.halo_local, **exchange), mesh, axis, q, k, v, segment_ids, sinks)
-    by_chunks = cudnn and chunked and window is None
+    by_chunks = in_order and chunked and window is None
 
     def local(q, k, v, seg, sinks):
         k_all, v_all, seg_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))
@@ -69,9 +70,9 @@ def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh)
 
 
 def chunk_calls(q, k, v, q_tokens: Tokens, k_all, v_all, seg_all, *, chunks: int, options: Options, plan):
-    """The local piece's attention as calls cuDNN serves. q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d],
-    q_tokens (segment ids [batch, n], traced global index [n]): this device's piece, `chunks` runs of consecutive
-    tokens; k_all/v_all [batch, length, ...], seg_all [batch, length]: the whole sequence in original order.
+    """The local piece's attention as calls a packed kernel serves. q [batch, n, heads, dqk], k/v [batch, n,
+    kv_heads, d], q_tokens (segment ids [batch, n], traced global index [n]): this device's piece, `chunks` runs of
+    consecutive tokens; k_all/v_all [batch, length, ...], seg_all [batch, length]: the whole sequence in original order.
     -> (out [batch, n, heads, dv], lse [batch, n, heads])."""
     everything = np.arange(k_all.shape[1], dtype=np.int32)
     if not options.causal:

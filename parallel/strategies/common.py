@@ -74,9 +74,10 @@ def plan_kernel(plan) -> kernels.Kernel:
 
 
 def wants_original_order(plan) -> bool:
-    """Whether the plan's kernel needs a sequence in original token order: cuDNN's packed metadata describes each
-    document as one run of increasing indices (parallel/kernels/cudnn.py); the other kernels take any order."""
-    return plan_kernel(plan).name == "cudnn"
+    """Whether the plan's kernel needs a sequence in original token order: the packed kernels (cuDNN's,
+    FlashAttention-3's) describe each document as one run of increasing indices (parallel/kernels/packed.py); the
+    other kernels take any order."""
+    return plan_kernel(plan).name in kernels.PACKED
 
 
 def whole_sequence(q, k, v, seg, *, shards: int, options: Options, plan):

@@ -3,8 +3,9 @@ strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny (also 
 scattered tensor parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m
 train CONFIG --plan --target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the
 compiled program. The newest stack compiles the tiny Llama under the ring with cuDNN (the default path, with its
-Pallas fallback; the floor compiles the ring's cuDNN steps in tests/gpu_compile/test_ring_cudnn.py); every other case
-is slow (the GPU compiler takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's recipe, 135 s). No case may leave
+Pallas fallback; the floor compiles the ring's cuDNN steps in tests/gpu_compile/test_ring_cudnn.py) and with
+FlashAttention-3 (the flash3 extra, which installs from JAX 0.11.2 on); every other case is slow (the GPU compiler
+takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's recipe, 135 s). No case may leave
 the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full
 rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
 
@@ -13,7 +14,8 @@ rematerialization" on stderr); the embedding lookup over fsdp x context was one 
 
 import pytest
 
-from parallel import targets
+from parallel import kernels, targets
+from parallel.kernels import flash3
 from tests.train.tiny_run import REPO
 from train.config import load_config
 from train.memory import plan_memory
@@ -24,7 +26,7 @@ pytestmark = [
 ]
 
 STRATEGIES = ("none", "all_gather", "ring", "ulysses", "usp")
-KERNELS = ("blockwise", "pallas", "cudnn")
+KERNELS = ("blockwise", "pallas", "cudnn", "flash3")
 LLAMA_MESHES = {  # 8 devices each: the sequence, heads and parameters split every way a strategy allows
     "none": dict(fsdp=4, tensor=2),
     "all_gather": dict(fsdp=2, context=2, tensor=2),
@@ -59,7 +61,7 @@ MODELS = {  # config, overrides, mesh per strategy (deepseek: the experts split 
 }
 EXPERT_MODELS = ("deepseek", "qwen3_5_moe")
 # the custom calls that show a kernel in the compiled program
-CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": "__gpu$xla.gpu.triton"}
+CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": "__gpu$xla.gpu.triton", "flash3": "dew_flash3_mha_varlen"}
 INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
 
 
@@ -78,9 +80,11 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """Slow but the tiny Llama's ring with cuDNN, which the newest stack compiles (see the docstring)."""
-    default = (model, strategy, kernel) == ("llama", "ring", "cudnn")
-    return [pytest.mark.newest_stack] if default else [pytest.mark.slow]
+    """Slow but the tiny Llama's ring with cuDNN and with FlashAttention-3, which the newest stack compiles (see the
+    docstring); FlashAttention-3's cases skip where its wheel is not installed."""
+    default = model == "llama" and strategy == "ring" and kernel in kernels.PACKED
+    wheel = [pytest.mark.skipif(kernel == "flash3" and bool(flash3.missing()), reason=flash3.missing() or "")]
+    return [pytest.mark.newest_stack if default else pytest.mark.slow, *wheel]
 
 
 def cases() -> list:
@@ -103,8 +107,8 @@ def test_train_step_compiles_for_h100(model, strategy, kernel, capfd):
     assert plan.expert_dispatch == ("none" if dense else "capacity" if kernel == "blockwise" else "ragged")
     text = plan.compiled.as_text()
     for name, call in CUSTOM_CALLS.items():
-        # cudnn serves the diagonal and all-visible calls and compiles Pallas for the rest (a run-time branch)
-        wanted = name == kernel or kernel == "cudnn"
+        # a packed kernel serves the diagonal and all-visible calls and compiles Pallas for the rest (a run-time branch)
+        wanted = name == kernel or (kernel in kernels.PACKED and name == "pallas")
         assert (call in text) == wanted, f"{call} {'missing from' if wanted else 'in'} the {kernel} program"
     assert 0 < plan.total < 2**30
 

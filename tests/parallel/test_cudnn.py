@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from parallel import compat, kernels
-from parallel.kernels import Options, Tokens, blockwise, cudnn, pallas
+from parallel.kernels import Options, Tokens, blockwise, cudnn, packed, pallas
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments
 from tests.parallel.cudnn_standin import STANDIN
@@ -35,7 +35,7 @@ def poisoned_backward(q, k, v, *rest, **params):
 POISONED = cudnn.Primitives(poisoned_forward, poisoned_backward)
 
 
-def mask_from_metadata(meta: cudnn.Metadata, causal: bool):
+def mask_from_metadata(meta: packed.Metadata, causal: bool):
     """Metadata -> [batch, tq, tk] bool: (q, k) visible iff both lie in one non-empty slot's runs (and k's position
     in its run <= q's, if causal)."""
     masks = []
@@ -67,7 +67,7 @@ def test_metadata_rebuilds_the_mask(causal):
     seg = packed_segments(3, LENGTH, seed=5)
     seg[1] = np.where(seg[1] > 0, seg[1] + 7, 0)  # ids 8.. as in a later piece of the sequence
     kv_seg = seg.copy() if causal else np.where(seg > 0, seg + 1, 0)  # for keys: doc d's ids belong to doc d + 1
-    meta = cudnn.metadata(jnp.asarray(seg), jnp.asarray(kv_seg), max_segments=24)
+    meta = packed.metadata(jnp.asarray(seg), jnp.asarray(kv_seg), max_segments=24)
     assert np.array_equal(mask_from_metadata(meta, causal), reference_mask(seg, kv_seg, causal))
     for lengths, offsets in ((meta.q_seqlen, meta.q_offsets), (meta.kv_seqlen, meta.kv_offsets)):
         assert np.array_equal(np.asarray(lengths) < 0, np.asarray(offsets[:, :-1]) < 0)
@@ -81,7 +81,7 @@ def test_too_many_segments_run_the_blockwise_kernel():
     """A row whose query ids span more than max_segments slots: the call runs the blockwise kernel (equal to it),
     with static and with traced indices; within the limit it runs the stand-in."""
     seg = jnp.asarray(np.repeat(np.arange(1, 13, dtype=np.int32), 4)[None].repeat(2, 0))
-    assert bool(cudnn.too_many_segments(seg, 8)) and not bool(cudnn.too_many_segments(seg, 12))
+    assert bool(packed.too_many_segments(seg, 8)) and not bool(packed.too_many_segments(seg, 12))
     q, k, v = inputs(*HEADS["gqa"])
     index = np.arange(LENGTH)
     args = (q, k, v, Tokens(seg, index), Tokens(seg, index), True)
@@ -104,7 +104,7 @@ def test_slots_keep_cudnns_padded_buffers_within_the_budget():
     assert cudnn.slots((2, LENGTH, 4, 64), 64) == cudnn.MAX_SEGMENTS
     seg = jnp.asarray(np.repeat(np.arange(1, 13, dtype=np.int32), 4)[None].repeat(2, 0))
     q, k, v = inputs(*HEADS["gqa"])
-    per_slot = q.shape[0] * LENGTH * q.shape[2] * (cudnn._width(q.shape[-1], v.shape[-1], 2) + 2) * 4
+    per_slot = q.shape[0] * LENGTH * q.shape[2] * (packed.width(q.shape[-1], v.shape[-1], 2) + 2) * 4
     index = np.arange(LENGTH)
     args = (q, k, v, Tokens(seg, index), Tokens(seg, index), True)
     standin = [
@@ -121,7 +121,7 @@ def test_stats_and_lse_round_trip():
     """lse -> stats -> lse is the identity on tokens in a segment and -inf elsewhere; stats rows are the non-empty
     slots of all rows in order, columns positions within the segment."""
     seg = jnp.asarray(packed_segments(2, LENGTH, seed=1))
-    meta = cudnn.metadata(seg, seg, max_segments=16)
+    meta = packed.metadata(seg, seg, max_segments=16)
     lse = jnp.asarray(np.random.default_rng(0).normal(size=(2, LENGTH, 3)), jnp.float32)
     stats = cudnn.stats_from_lse(lse, meta, rows=2 * 16)
     back = cudnn.lse_from_stats(stats, meta)
@@ -194,8 +194,8 @@ def test_traced_indices_choose_the_kind_at_run_time():
     full = packed_segments(2, 4 * LENGTH, seed=4)
     cases.append((Tokens(jnp.asarray(full[:, index[1]]), index[1]), Tokens(jnp.asarray(full[:, index[0]]), index[0])))
     traced = lambda side: side._replace(index=jnp.asarray(side.index))
-    kinds = [cudnn.runtime_kind(traced(q_side), traced(kv_side)) for q_side, kv_side in cases]
-    assert [int(kind) for kind in kinds] == [cudnn.DIAGONAL, cudnn.ALL_VISIBLE, cudnn.GENERAL, cudnn.GENERAL]
+    kinds = [packed.runtime_kind(traced(q_side), traced(kv_side)) for q_side, kv_side in cases]
+    assert [int(kind) for kind in kinds] == [cudnn.DIAGONAL, cudnn.ALL_VISIBLE, packed.GENERAL, packed.GENERAL]
     for q_side, kv_side in cases:
         sides = lambda qi, ki: (q_side._replace(index=qi), kv_side._replace(index=ki))
         got = jax.jit(lambda qi, ki: run(*STANDIN_KERNEL, q, k, v, *sides(qi, ki), True))
@@ -274,13 +274,13 @@ def test_real_primitives_trace(heads):
 
 def test_which_calls_and_backends_it_serves():
     index = np.arange(8)
-    assert cudnn.call_kind(index, index, True) == cudnn.DIAGONAL
-    assert cudnn.call_kind(index + 8, index, True) == cudnn.ALL_VISIBLE
-    assert cudnn.call_kind(index, index + 8, False) == cudnn.ALL_VISIBLE
+    assert packed.call_kind(index, index, True) == cudnn.DIAGONAL
+    assert packed.call_kind(index + 8, index, True) == cudnn.ALL_VISIBLE
+    assert packed.call_kind(index, index + 8, False) == cudnn.ALL_VISIBLE
     with pytest.raises(cudnn.Unservable, match=r"causal diagonal .* or keys that all precede the queries"):
-        cudnn.call_kind(index, index + 4, True)
+        packed.call_kind(index, index + 4, True)
     with pytest.raises(cudnn.Unservable):  # a dual_chunk ring step's whole pieces: the ring calls its halves
-        cudnn.call_kind(*layout_index(32, 4, "dual_chunk").reshape(4, 8)[[2, 1]], True)
+        packed.call_kind(*layout_index(32, 4, "dual_chunk").reshape(4, 8)[[2, 1]], True)
     # static diagonal indices with key segment ids unlike the queries' (a key padding mask): run-time general
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH))
@@ -290,11 +290,11 @@ def test_which_calls_and_backends_it_serves():
     # a whole dual_chunk sequence (a document in two runs) is no packed row: static unservable, traced general
     shuffled = layout_index(LENGTH, 2, "dual_chunk")
     with pytest.raises(cudnn.Unservable, match="increasing global order"):
-        cudnn.call_kind(shuffled, shuffled, False)
+        packed.call_kind(shuffled, shuffled, False)
     q, k, v = inputs(*HEADS["gqa"])
     seg = jnp.asarray(packed_segments(2, LENGTH)[:, shuffled])
     traced = Tokens(seg, jnp.asarray(shuffled))
-    assert int(cudnn.runtime_kind(traced, traced, causal=False)) == cudnn.GENERAL
+    assert int(packed.runtime_kind(traced, traced, causal=False)) == packed.GENERAL
     got = jax.jit(lambda i: run(*STANDIN_KERNEL, q, k, v, Tokens(seg, i), Tokens(seg, i), False))(shuffled)
     want = run(blockwise.forward, blockwise.backward, q, k, v, Tokens(seg, shuffled), Tokens(seg, shuffled), False)
     assert_same(got, want)
@@ -317,10 +317,14 @@ def test_which_calls_and_backends_it_serves():
     got = impl.forward(q, k, v, *sides, options=options)
     want = pallas.forward(q, k, v, *sides, options=options, interpret=True)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
-    # inputs the real primitives reject are unservable: float32, or a padded head width past 256
+    # inputs the real primitives reject are unservable: float32, or a padded head width past 256 (heads of 256 are
+    # served but for a backward given an lse cotangent, whose two columns make them 264 wide)
     diagonal = (sides[0], sides[0])
     with pytest.raises(cudnn.Unservable, match=r"bfloat16 or float16 inputs .*, not float32"):
         cudnn.forward(*inputs(*HEADS["mha"]), *diagonal, options=options)
-    wide = (x.astype(jnp.bfloat16) for x in inputs(4, 4, 256, 256))
+    wide = [x.astype(jnp.bfloat16) for x in inputs(4, 4, 256, 256)]
+    out, lse = jax.eval_shape(lambda q, k, v: cudnn.forward(q, k, v, *diagonal, options=options), *wide)
+    backward = lambda dlse: lambda q, k, v: cudnn.backward(q, k, v, *diagonal, out, lse, out, dlse, options=options)
+    assert [g.shape for g in jax.eval_shape(backward(None), *wide)] == [x.shape for x in wide]
     with pytest.raises(cudnn.Unservable, match="width 264"):
-        cudnn.forward(*wide, *diagonal, options=options)
+        jax.eval_shape(backward(lse), *wide)

@@ -1,9 +1,10 @@
-"""On a GPU only (skipped elsewhere): the real cuDNN and Pallas (Triton) kernels equal the blockwise kernel on the
-same bfloat16 inputs, in out, lse, dq, dk and dv through a loss with a nonzero lse cotangent, for every kind of call
-the strategies make: the causal diagonal and a non-causal call, on packed and unpacked rows; keys that all precede
-the queries (a ring step), also all in other documents (every packed slot empty); two whole dual_chunk pieces off
-the diagonal ("halves": the ring calls each half all-visible, cuDNN sends the whole to its general kernel, Pallas);
-striped global indices (cuDNN: its general kernel, Pallas). MHA, GQA and MLA head dims; indices static and traced.
+"""On a GPU only (skipped elsewhere): the real cuDNN, FlashAttention-3 and Pallas (Triton) kernels equal the blockwise
+kernel on the same bfloat16 inputs, in out, lse, dq, dk and dv through a loss with a nonzero lse cotangent, for every
+kind of call the strategies make: the causal diagonal and a non-causal call, on packed and unpacked rows; keys that
+all precede the queries (a ring step), also all in other documents (every packed slot empty); two whole dual_chunk
+pieces off the diagonal ("halves": the ring calls each half all-visible, the packed kernels send the whole to their
+general kernel, Pallas); striped global indices (the packed kernels: their general kernel, Pallas). MHA, GQA and MLA
+head dims; indices static and traced.
 
     python -m pytest -q tests/parallel/test_gpu_kernels.py
 """
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
-from parallel.kernels import Options, Tokens
+from parallel.kernels import Options, Tokens, flash3
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
 
@@ -76,13 +77,15 @@ def outputs_and_grads(kernel: str, q, k, v, q_seg, kv_seg, q_index, kv_index, ca
     return out, lse, *(g.astype(jnp.float32) for g in grads)
 
 
-@pytest.mark.parametrize("kernel", ["cudnn", "pallas"])
+@pytest.mark.parametrize("kernel", ["cudnn", "flash3", "pallas"])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("kind", ["diagonal", "full", "preceding", "foreign", "halves", "striped"])
 def test_kernel_equals_blockwise_on_gpu(kernel, heads, kind):
     """Packed and unpacked rows, indices static and traced (cuDNN from Hopper on)."""
     if kernel == "cudnn" and not kernels.hopper("gpu", None):
         pytest.skip(f"cuDNN's packed rows need compute capability 9.0, not {GPU.compute_capability}")
+    if kernel == "flash3" and (kernels.compute_capability("gpu", None)[0] != 9 or flash3.missing()):
+        pytest.skip(flash3.missing() or f"FlashAttention-3 runs on Hopper (9.0), not {GPU.compute_capability}")
     h, hkv, dqk, dv = HEADS[heads]
     rng = np.random.default_rng(0)
     shapes = [(2, PIECE, h, dqk), (2, PIECE, hkv, dqk), (2, PIECE, hkv, dv)]

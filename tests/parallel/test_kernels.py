@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from parallel import kernels
-from parallel.kernels import Options, Tokens
+from parallel.kernels import Options, Tokens, blockwise
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
 
@@ -109,3 +109,18 @@ def test_each_backend_gets_its_kernel():
         kernels.select("pallas", backend="cpu")
     with pytest.raises(ValueError, match="attention kernel 'flash' is unknown; choose one of auto, pallas, blockwise"):
         kernels.select("flash")
+
+
+def test_an_lse_nothing_reads_reaches_the_backward_as_none():
+    """A symbolic zero cotangent: the packed kernels then carry no dlse columns (parallel/kernels/flash3.py)."""
+    q, k, v = inputs(*HEADS["gqa"], batch=1, tq=16, tk=16)
+    seen = []
+
+    def backward(*args, **kwargs):
+        seen.append(args[8])
+        return blockwise.backward(*args, **kwargs)
+
+    probe = kernels.Kernel("probe", blockwise.forward, backward)
+    for part in (0, 1):
+        jax.grad(lambda q, part=part: kernels.attention(q, k, v, kernel=probe)[part].sum())(q)
+    assert seen[0] is None and seen[1].shape == (1, 16, 4)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from parallel.kernels import cudnn
+from parallel.kernels import packed
 from parallel.reorder import layout_index
 from parallel.strategies.ring_steps import step_shapes
 
@@ -42,6 +42,6 @@ def test_dual_chunk_steps_are_one_all_visible_cudnn_call():
     lower, higher = step_shapes("dual_chunk", n, 1, causal=True)
     for rank, source, shape in ((2, 1, lower), (1, 2, higher)):
         q_index, kv_index = table[rank][shape.queries], table[source][shape.keys]
-        assert cudnn.call_kind(q_index, kv_index, True) == cudnn.ALL_VISIBLE
+        assert packed.call_kind(q_index, kv_index, True) == packed.ALL_VISIBLE
     assert (lower.queries, lower.keys) == (slice(0, n), slice(0, n // 2))
     assert (higher.queries, higher.keys) == (slice(n // 2, n), slice(0, n))
