@@ -2,12 +2,13 @@
 strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny (also as Qwen3.5-MoE): packed rows,
 scattered tensor parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m
 train CONFIG --plan --target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the
-compiled program. The newest stack compiles the tiny Llama under the ring with cuDNN (the default path, with its
-Pallas fallback; the floor compiles the ring's cuDNN steps in tests/gpu_compile/test_ring_cudnn.py) and with
-FlashAttention-3 (the flash3 extra, which installs from JAX 0.11.2 on); every other case is slow (the GPU compiler
-takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's recipe, 135 s). No case may leave
-the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full
-rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
+compiled program. Every case is slow (the GPU compiler takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's
+recipe, 135 s): the default run compiles the tiny Llama's ring step with cuDNN (the default path, with its Pallas
+fallback) in tests/gpu_compile/test_gpu_plan.py on the newest stack, FlashAttention-3's calls in
+tests/gpu_compile/test_flash3_kernel.py (its ring's calls run on CPU in tests/parallel/test_flash3.py), and the
+ring's cuDNN steps on the floor in tests/gpu_compile/test_ring_cudnn.py. No case may leave the SPMD partitioner a
+reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full rematerialization" on stderr); the
+embedding lookup over fsdp x context was one (parallel/lookup.py).
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -80,11 +81,9 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """Slow but the tiny Llama's ring with cuDNN and with FlashAttention-3, which the newest stack compiles (see the
-    docstring); FlashAttention-3's cases skip where its wheel is not installed."""
-    default = model == "llama" and strategy == "ring" and kernel in kernels.PACKED
-    wheel = [pytest.mark.skipif(kernel == "flash3" and bool(flash3.missing()), reason=flash3.missing() or "")]
-    return [pytest.mark.newest_stack if default else pytest.mark.slow, *wheel]
+    """Slow (see the docstring); FlashAttention-3's cases skip where its wheel is not installed."""
+    wheel = pytest.mark.skipif(kernel == "flash3" and bool(flash3.missing()), reason=flash3.missing() or "")
+    return [pytest.mark.slow, wheel]
 
 
 def cases() -> list:

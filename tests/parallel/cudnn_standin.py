@@ -134,18 +134,23 @@ def _poisoned(kernel):
 
 def serve_cudnn_with_standin(monkeypatch):
     """From here on (in this test), `kernels.select("cudnn")` on any backend gives the cuDNN kernel on the stand-in
-    primitives, and the blockwise kernel behind it returns NaN: an attention run is finite only if cuDNN served
-    every call (static calls it cannot serve raise cudnn.Unservable)."""
+    primitives (serve_with_standin)."""
+    serve_with_standin(monkeypatch, "cudnn", cudnn, primitives=STANDIN)
+
+
+def serve_with_standin(monkeypatch, name: str, module, **standin):
+    """From here on (in this test), `kernels.select(name)` on any backend gives the packed kernel of `module` (cudnn,
+    flash3) with the stand-in `standin` keywords, and the blockwise kernel behind it returns NaN: an attention run is
+    finite only if the kernel served every call (static calls it cannot serve raise packed.Unservable)."""
     select = kernels.select
 
     def standin_select(kernel="auto", *, interpret=False, backend=None, capability=None):
-        if kernel != "cudnn":
+        if kernel != name:
             return select(kernel, interpret=interpret, backend=backend, capability=capability)
-        standin = dict(primitives=STANDIN, max_segments=16)  # as many documents as a test row has
         forward, backward = (
-            functools.partial(f, **standin, general=_poisoned(fallback))
-            for f, fallback in ((cudnn.forward, blockwise.forward), (cudnn.backward, blockwise.backward))
+            functools.partial(f, **standin, max_segments=16, general=_poisoned(fallback))  # a test row's documents
+            for f, fallback in ((module.forward, blockwise.forward), (module.backward, blockwise.backward))
         )
-        return kernels.Kernel("cudnn", forward, backward)
+        return kernels.Kernel(name, forward, backward)
 
     monkeypatch.setattr(kernels, "select", standin_select)

@@ -13,9 +13,11 @@ from parallel.kernels import Options, Tokens, blockwise, flash3
 from parallel.kernels import packed as packing
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments
+from tests.parallel.cudnn_standin import serve_with_standin
 from tests.parallel.flash3_standin import STANDIN
 from tests.parallel.test_cudnn import BLOCKS, ring_piece_case, run
 from tests.parallel.test_kernels import HEADS, LENGTH, assert_same, inputs
+from tests.parallel.test_strategies import check_strategy
 
 KERNEL = tuple(functools.partial(f, library=STANDIN, max_segments=24) for f in (flash3.forward, flash3.backward))
 
@@ -46,8 +48,8 @@ def sides_of(kind: str, packed: bool):
         pytest.param("gqa", True, "diagonal", marks=pytest.mark.slow),  # the traced test's first case
         ("mla", False, "diagonal"),
         ("gqa", True, "preceding"),
-        ("mla", True, "preceding"),
-        ("gqa", True, "full"),
+        pytest.param("mla", True, "preceding", marks=pytest.mark.slow),
+        pytest.param("gqa", True, "full", marks=pytest.mark.slow),
     ],
 )
 def test_standin_kernel_equals_blockwise(heads, packed, kind):
@@ -59,6 +61,23 @@ def test_standin_kernel_equals_blockwise(heads, packed, kind):
     assert_same(run(*KERNEL, *args), run(blockwise.forward, blockwise.backward, *args))
 
 
+@pytest.mark.parametrize(
+    "strategy, shards, layout",
+    [
+        ("ring", 4, "dual_chunk"),
+        pytest.param("all_gather", 4, "dual_chunk", marks=pytest.mark.slow),
+        pytest.param("ulysses", 2, "striped", marks=pytest.mark.slow),
+        pytest.param("usp", 4, "dual_chunk", marks=pytest.mark.slow),
+    ],
+)
+def test_strategy_with_the_flash3_kernel(strategy, shards, layout, monkeypatch):
+    """FlashAttention-3 (the stand-in library) serves every attention call of these strategies, packed and unpacked:
+    the blockwise kernel behind it returns NaN, yet outputs and gradients equal the reference."""
+    serve_with_standin(monkeypatch, "flash3", flash3, library=STANDIN)
+    check_strategy(strategy, shards, layout, case_list=[("gqa", True)], kernel="flash3")
+
+
+@pytest.mark.slow  # packed.switch's, which test_cudnn checks on the newest stack
 def test_traced_indices_choose_the_kind_at_run_time():
     """Under jit the diagonal and preceding calls run the stand-in; queries before keys and a dual_chunk step's
     whole pieces run the general kernel; all equal blockwise."""
