@@ -37,8 +37,10 @@ ATTENTION_HEADS = {
     "gqa 32/8 x 64": (32, 8, 64, 64),  # Llama 3.2 1B
     "gqa 16/2 x 256": (16, 2, 256, 256),  # Qwen3.5's full attention
 }
-CANDIDATES = ("cudnn", "jax-cudnn", "flash3", "pallas")  # jax-cudnn: jax.nn.dot_product_attention's cuDNN
-GPU_ONLY = ("cudnn", "jax-cudnn", "flash3")
+# jax-cudnn: jax.nn.dot_product_attention's cuDNN; pallas runs Mosaic GPU's kernels on Hopper where they serve the
+# call (parallel/kernels/mosaic.py), pallas-triton the Triton kernels there too
+CANDIDATES = ("cudnn", "jax-cudnn", "flash3", "pallas", "pallas-triton")
+GPU_ONLY = ("cudnn", "jax-cudnn", "flash3", "pallas-triton")  # pallas-triton is pallas off Hopper (and interpreted)
 PACKED = ("cudnn", "flash3")  # kernels on packed rows: the calls they cannot serve run their general kernel, Pallas
 ERRORS = ("out", "lse", "dq", "dk", "dv")
 
@@ -186,7 +188,7 @@ def unavailable(candidate: str, rehearse: bool) -> str | None:
         return "not available on cpu"
     if candidate != "jax-cudnn":
         try:
-            kernels.select(candidate, interpret=rehearse)
+            kernel(candidate, rehearse)
         except (ValueError, ImportError) as error:
             return f"not available: {_first_line(error)}"
     return None
@@ -197,7 +199,15 @@ def attend(candidate: str, tokens: kernels.Tokens, interpret: bool):
     `candidate` (a kernel of parallel.kernels, or jax-cudnn: one document, no lse), causal on the row of `tokens`."""
     if candidate == "jax-cudnn":
         return lambda q, k, v: (jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn"), None)
-    return lambda q, k, v: kernels.attention(q, k, v, tokens, tokens, kernel=candidate, interpret=interpret)
+    chosen = kernel(candidate, interpret)
+    return lambda q, k, v: kernels.attention(q, k, v, tokens, tokens, kernel=chosen)
+
+
+def kernel(candidate: str, interpret: bool) -> kernels.Kernel:
+    """parallel.kernels' kernel of `candidate` (pallas-triton: Pallas as on a GPU before Hopper, Triton's kernels)."""
+    if candidate == "pallas-triton":
+        return kernels.select("pallas", interpret=interpret, capability="8.0")
+    return kernels.select(candidate, interpret=interpret)
 
 
 def outputs_and_grads(fn):

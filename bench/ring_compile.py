@@ -1,6 +1,7 @@
 """What a ring step compiles to on 8 H100s (no GPU: parallel/targets.py), against a baseline revision in the same run:
-cuDNN custom calls (forward / backward, by mask), Triton calls, fusions and compile seconds of a tiny train step
-under the ring with the cuDNN kernel, and the HALVES glue's float32 scatter-adds. The baseline is checked out in a
+cuDNN custom calls (forward / backward, by mask), Pallas calls (Triton, or Mosaic GPU on Hopper), fusions and
+compile seconds of a tiny train step under the ring with the cuDNN kernel, and the HALVES glue's float32
+scatter-adds. The baseline is checked out in a
 temporary git worktree and measured by the same code in a subprocess of its own.
 
     PYTHONPATH=. python bench/ring_compile.py                     # deepseek-tiny, against 4fe6023 (traced steps)
@@ -22,7 +23,7 @@ from parallel import targets
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BEFORE_STATIC_STEPS = "4fe6023"  # the last revision whose ring steps traced their indices
-KEYS = ("cudnn_forward", "cudnn_backward", "causal", "triton", "fusions", "scatters", "seconds", "temporaries_mib")
+KEYS = ("cudnn_forward", "cudnn_backward", "causal", "pallas", "fusions", "scatters", "seconds", "temporaries_mib")
 MESH = ["mesh.fsdp=1", "mesh.context=4", "mesh.expert=2", "parallel.context_strategy=ring"]
 MEASURE = """
 import json, re, sys
@@ -39,7 +40,7 @@ print("RESULT", json.dumps(dict(
     cudnn_backward=sum(name == "__cudnn$fmhaSoftmaxBackward" for name, _ in calls),
     masks=sorted(set(mask for _, mask in calls)),
     causal=sum(mask == "CAUSAL" or mask == "PADDING_CAUSAL" for _, mask in calls),
-    triton=text.count('custom_call_target="__gpu$xla.gpu.triton"'),
+    pallas=text.count('custom_call_target="__gpu$xla.gpu.triton"') + text.count('custom_call_target="mosaic_gpu'),
     fusions=len(re.findall(r"= [^=]*? fusion\\(", text)),
     scatters=len(re.findall(r"f32\\[[^\\]]*\\][^=]*= [^=]*? scatter\\(", text)),
     seconds=round(plan.compile_seconds, 1),

@@ -1,5 +1,6 @@
-"""Test setup: 8 simulated CPU devices and a quickly compiling CPU backend (set before JAX is imported, inherited
-by the runs tests start), the repository on sys.path; `shared_run` for outputs that several tests read.
+"""Test setup: 8 simulated CPU devices, a quickly compiling CPU backend and one compilation cache for the session (set
+before JAX is imported, inherited by the runs tests start), the repository on sys.path; `shared_run` for outputs that
+several tests read.
 
 JAX runs on CPU, its default backend, with a machine's GPU beside it where it has one (JAX_PLATFORMS=cpu,cuda):
 the GPU tests (tests/parallel/test_gpu_kernels.py) put their arrays on it, and the rest run as everywhere else."""
@@ -11,6 +12,7 @@ import os
 import pathlib
 import shutil
 import sys
+import tempfile
 
 import pytest
 
@@ -25,7 +27,21 @@ os.environ["XLA_FLAGS"] = (
 gpu = any(pathlib.Path("/dev").glob("nvidia[0-9]*")) and importlib.util.find_spec("jax_plugins") is not None
 os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if gpu else "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# One persistent compilation cache per test session, which the pytest-xdist workers and the runs tests start inherit
+# (made here, in the session's first process, before the workers start): many tests compile the same tiny programs
+# (a train command's step, a GPU compile's kernels), and the key is the program, its options and the versions.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE = tempfile.mkdtemp(prefix="longctx-compile-cache-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"
+else:
+    CACHE = None  # a worker's, or one the caller chose: kept
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+
+def pytest_unconfigure(config):
+    """The session's compilation cache removed by the process that made it."""
+    if CACHE is not None:
+        shutil.rmtree(CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,9 @@ COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "coll
 GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
 # FLOPs of an attention call as a multiple of its forward's, counting a backward as 2.5 forwards as the measured
 # rates do: cuDNN's backward is one call, Pallas' two (dK / dV, then dQ)
-ATTENTION_CALLS = {"attention_forward": 1.0, "attention_dkdv": 1.5, "attention_dq": 1.0}
+# (Mosaic GPU's kernels split dK / dV into dK and dV at the widest heads: parallel/kernels/mosaic.py)
+ATTENTION_CALLS = {"attention_forward": 1.0, "attention_dkdv": 1.5, "attention_dq": 1.0, "attention_dk": 1.0,
+                   "attention_dv": 0.5}  # fmt: skip
 SCOPE = re.compile(r"attention_(\w+?)_visible_([0-9.]+)")
 ROWS = re.compile(r"packed_rows_(\d+)")  # FlashAttention-3's flattened rows (parallel/kernels/flash3.py)
 TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')

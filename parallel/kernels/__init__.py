@@ -1,11 +1,11 @@
 """One attention kernel interface for every strategy: `attention` (differentiable in q, k, v and lse) and, through
 `select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
 lse). Every kernel takes q, k, v, each side's `Tokens` (segment ids and global indices) and the call's `Options`
-(parallel/kernels/arguments.py). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py; interpret mode runs
-them on CPU), cuDNN flash attention and FlashAttention-3 on packed rows (parallel/kernels/cudnn.py, flash3.py and
-what they share, packed.py; GPU, Hopper, FlashAttention-3 an optional extra; Pallas for the calls they cannot
-serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU kernel and the reference. `auto` picks by
-the devices a step compiles for (see select)."""
+(parallel/kernels/arguments.py). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py, Triton, and on
+Hopper Mosaic GPU's, mosaic.py; interpret mode runs them on CPU), cuDNN flash attention and FlashAttention-3 on packed
+rows (parallel/kernels/cudnn.py, flash3.py and what they share, packed.py; GPU, Hopper, FlashAttention-3 an optional
+extra; Pallas for the calls they cannot serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU
+kernel and the reference. `auto` picks by the devices a step compiles for (see select)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def select(
                 f"attention kernel 'cudnn' runs on GPUs of compute capability 9.0 (Hopper) or newer, not {where}; "
                 f"choose pallas (GPU), blockwise or auto"
             )
-        return _packed("cudnn", cudnn, backend, interpret)
+        return _packed("cudnn", cudnn, backend, capability, interpret)
     if kernel == "flash3":
         if compute_capability(backend, capability)[0] != 9:
             where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
@@ -71,23 +71,24 @@ def select(
             )
         if flash3.missing():
             raise ValueError(flash3.missing())
-        return _packed("flash3", flash3, backend, interpret)
+        return _packed("flash3", flash3, backend, capability, interpret)
     if backend != "gpu" and not interpret:
         raise ValueError(
             f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "
             f"(tests run it with interpret=True)"
         )
+    on_hopper = compute_capability(backend, capability)[0] == 9  # Mosaic GPU's kernels: sm90a code
     return _named(
         "pallas",
-        functools.partial(pallas.forward, interpret=interpret),
-        functools.partial(pallas.backward, interpret=interpret),
+        functools.partial(pallas.forward, interpret=interpret, hopper=on_hopper),
+        functools.partial(pallas.backward, interpret=interpret, hopper=on_hopper),
     )
 
 
-def _packed(name: str, module, backend: str, interpret: bool) -> Kernel:
+def _packed(name: str, module, backend: str, capability: str | None, interpret: bool) -> Kernel:
     """The packed kernel `name` (its module's forward / backward), with the general kernel for the calls it cannot
     serve."""
-    general = select(general_kernel(name, backend), interpret=interpret, backend=backend)
+    general = select(general_kernel(name, backend), interpret=interpret, backend=backend, capability=capability)
     forward = functools.partial(module.forward, general=visible.fallback(general.forward))
     backward = functools.partial(module.backward, general=visible.fallback(general.backward))
     return _named(name, _or(forward, general.forward), _or(backward, general.backward))

@@ -18,7 +18,7 @@ from parallel.kernels.arguments import Options, Tokens
 from parallel.segments import INT32_MAX, block_summary, full_blocks, visible_blocks
 
 
-def _pad(x, axis: int, multiple: int, value=0):
+def pad(x, axis: int, multiple: int, value=0):
     """Pads `axis` of x up to a multiple of `multiple` with `value`."""
     extra = -x.shape[axis] % multiple
     if not extra:
@@ -28,19 +28,19 @@ def _pad(x, axis: int, multiple: int, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _pad_queries(tokens: Tokens, multiple: int) -> Tokens:
+def pad_queries(tokens: Tokens, multiple: int) -> Tokens:
     """Query segment ids [batch, tq] padded up to a multiple of `multiple` with 0 and indices [tq] with their
     largest: padded queries (segment 0, seeing nothing) then leave the last block's index range as its real
     queries', so its causal and window ranges skip what they would."""
     index = tokens.index
-    return Tokens(_pad(tokens.segment_ids, 1, multiple), _pad(index, 0, multiple, jnp.max(index)))
+    return Tokens(pad(tokens.segment_ids, 1, multiple), pad(index, 0, multiple, jnp.max(index)))
 
 
-def _pad_keys(tokens: Tokens, multiple: int) -> Tokens:
+def pad_keys(tokens: Tokens, multiple: int) -> Tokens:
     """Key segment ids [batch, tk] padded with 0 and indices [tk] with INT32_MAX up to a multiple of `multiple`:
     padded keys (segment 0, never visible) then leave the last block's causal range as its real keys', so query
     blocks before them skip it instead of computing it masked."""
-    return Tokens(_pad(tokens.segment_ids, 1, multiple), _pad(tokens.index, 0, multiple, INT32_MAX))
+    return Tokens(pad(tokens.segment_ids, 1, multiple), pad(tokens.index, 0, multiple, INT32_MAX))
 
 
 def _padded_blocks(length: int, block: int) -> tuple[int, int]:
@@ -137,8 +137,8 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
     scale = options.scale
     bq, nq = _padded_blocks(tq, options.block_q)
     bk, _ = _padded_blocks(tk, options.block_kv)
-    q, q_tokens = _pad(q, 1, bq), _pad_queries(q_tokens, bq)
-    k, v, kv_tokens = _pad(k, 1, bk), _pad(v, 1, bk), _pad_keys(kv_tokens, bk)
+    q, q_tokens = pad(q, 1, bq), pad_queries(q_tokens, bq)
+    k, v, kv_tokens = pad(k, 1, bk), pad(v, 1, bk), pad_keys(kv_tokens, bk)
     kinds = _pair_kinds(q_tokens, kv_tokens, bq, bk, options)
     first, last = _block_ranges(kinds > SKIP)
 
@@ -204,9 +204,9 @@ def backward(
     scale = options.scale
     bq, _ = _padded_blocks(tq, options.block_q)
     bk, nk = _padded_blocks(tk, options.block_kv)
-    q, dout, q_tokens = _pad(q, 1, bq), _pad(dout, 1, bq), _pad_queries(q_tokens, bq)
-    lse, delta = _pad(lse, 1, bq, -jnp.inf), _pad(delta, 1, bq)
-    k, v, kv_tokens = _pad(k, 1, bk), _pad(v, 1, bk), _pad_keys(kv_tokens, bk)
+    q, dout, q_tokens = pad(q, 1, bq), pad(dout, 1, bq), pad_queries(q_tokens, bq)
+    lse, delta = pad(lse, 1, bq, -jnp.inf), pad(delta, 1, bq)
+    k, v, kv_tokens = pad(k, 1, bk), pad(v, 1, bk), pad_keys(kv_tokens, bk)
     kinds_t = jnp.swapaxes(_pair_kinds(q_tokens, kv_tokens, bq, bk, options), 1, 2)  # [batch, nk, nq]
     first, last = _block_ranges(kinds_t > SKIP)
     lse, delta = lse[..., None], delta[..., None]
@@ -257,6 +257,6 @@ def backward(
         dtypes = [x.dtype for x in accumulate]
     # dq gains a term per block pair, so it sums in float32 (a no-op for the ring's); dk / dv once per key block
     dq0 = accumulate[0].astype(jnp.float32)
-    sums = (_pad(dq0, 1, bq), _pad(accumulate[1], 1, bk), _pad(accumulate[2], 1, bk))
+    sums = (pad(dq0, 1, bq), pad(accumulate[1], 1, bk), pad(accumulate[2], 1, bk))
     sums = lax.fori_loop(0, batch * nk, kv_block, sums)
     return tuple(x[:, :t].astype(dtype) for x, t, dtype in zip(sums, (tq, tk, tk), dtypes, strict=True))

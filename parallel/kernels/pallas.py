@@ -1,8 +1,9 @@
-"""Flash attention as Pallas kernels (Triton on GPU, interpret mode on CPU) with the blockwise kernel's semantics:
-separate query and key segment ids, causality and sliding windows by global token index, block pairs that share no
-segment or lie above the diagonal or outside the window skipped (by the same block summaries, taken inside the
-kernel), GQA without repeating key / value heads, query-key and value head dims that differ, lse out and its
-cotangent in.
+"""Flash attention as Pallas kernels (Triton on GPU, interpret mode on CPU; on Hopper, Mosaic GPU's kernels of
+parallel/kernels/mosaic.py for the calls they serve, the path JAX keeps as it retires Pallas' Triton backend) with
+the blockwise kernel's semantics: separate query and key segment ids, causality and sliding windows by global token
+index, block pairs that share no segment or lie above the diagonal or outside the window skipped (by the same block
+summaries, taken inside the kernel), GQA without repeating key / value heads, query-key and value head dims that
+differ, lse out and its cotangent in.
 
 Three kernels: the forward (grid batch x heads x query blocks, a loop over key blocks), dk / dv (grid batch x
 key-value heads x key blocks, one loop over the query blocks x the group's query heads) and dq (as the forward).
@@ -29,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from parallel import compat
+from parallel.kernels import mosaic
 from parallel.kernels.arguments import Options, Tokens
 from parallel.segments import INT32_MAX
 
@@ -173,9 +175,13 @@ def _pad_side(tokens: Tokens, length: int, index_value=0) -> Tokens:
     return Tokens(_pad_to(tokens.segment_ids, 1, length), _pad_to(tokens.index, 0, length, index_value))
 
 
-def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, interpret=False, out_dtype=None):
+def forward(
+    q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, interpret=False, out_dtype=None, hopper=False
+):  # fmt: skip
     """parallel.kernels.blockwise.forward's arguments and results, as a Pallas kernel: (out [batch, tq, heads, dv] in
-    `out_dtype` (default q's), lse [batch, tq, heads] float32)."""
+    `out_dtype` (default q's), lse [batch, tq, heads] float32). `hopper`: on Mosaic GPU where it serves the call."""
+    if hopper and not interpret and mosaic.serves(q, k, v, jnp.dtype(out_dtype or q.dtype).itemsize):
+        return mosaic.forward(q, k, v, q_tokens, kv_tokens, options=options, out_dtype=out_dtype)
     batch, tq, heads, _ = q.shape
     kv_heads, dv = k.shape[2], v.shape[-1]
     group = heads // kv_heads
@@ -270,15 +276,19 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, 
 
 def backward(
     q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, interpret=False,
-    grad_dtype=None, accumulate=None,
+    grad_dtype=None, accumulate=None, hopper=False,
 ):  # fmt: skip
     """parallel.kernels.blockwise.backward's arguments and results, as Pallas kernels: (dq, dk, dv) of `forward`
     given its final out / lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k,
-    v); or, given `accumulate` = (dq, dk, dv) running sums, those sums with them added, in their dtypes."""
+    v); or, given `accumulate` = (dq, dk, dv) running sums, those sums with them added, in their dtypes. `hopper`:
+    on Mosaic GPU where it serves the call."""
     if accumulate is not None:
         args = (q, k, v, q_tokens, kv_tokens, out, lse, dout, dlse)
-        grads = backward(*args, options=options, interpret=interpret, grad_dtype=jnp.float32)
+        grads = backward(*args, options=options, interpret=interpret, grad_dtype=jnp.float32, hopper=hopper)
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))
+    if hopper and not interpret and mosaic.serves(q, k, v, jnp.dtype(grad_dtype or q.dtype).itemsize):
+        args = (q, k, v, q_tokens, kv_tokens, out, lse, dout, dlse)
+        return mosaic.backward(*args, options=options, grad_dtype=grad_dtype)
     batch, tq, heads, dqk = q.shape
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads

@@ -62,7 +62,8 @@ MODELS = {  # config, overrides, mesh per strategy (deepseek: the experts split 
 }
 EXPERT_MODELS = ("deepseek", "qwen3_5_moe")
 # the custom calls that show a kernel in the compiled program
-CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": "__gpu$xla.gpu.triton", "flash3": "dew_flash3_mha_varlen"}
+# Pallas on an H100: Mosaic GPU's kernels (parallel/kernels/mosaic.py)
+CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": 'custom_call_target="mosaic_gpu', "flash3": "dew_flash3_mha_varlen"}
 INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from parallel import kernels
 from parallel.kernels import Options, Tokens
-from parallel.kernels.blockwise import SKIP, _pad_keys, _padded_blocks, _pair_kinds
+from parallel.kernels.blockwise import SKIP, _padded_blocks, _pair_kinds, pad_keys
 from parallel.segments import block_summary, visible_blocks
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
@@ -120,6 +120,6 @@ def test_padded_key_block_is_skipped_causally():
     size, count = _padded_blocks(length, block)
     seg = jnp.pad(jnp.ones((1, length), jnp.int32), ((0, 0), (0, size * count - length)))
     q_index = jnp.pad(jnp.arange(length, dtype=jnp.int32), (0, size * count - length))
-    keys = _pad_keys(Tokens(jnp.ones((1, length), jnp.int32), jnp.arange(length, dtype=jnp.int32)), size)
+    keys = pad_keys(Tokens(jnp.ones((1, length), jnp.int32), jnp.arange(length, dtype=jnp.int32)), size)
     kinds = np.asarray(_pair_kinds(Tokens(seg, q_index), keys, size, size, Options(causal=True)))[0]
     assert (kinds[:-1, -1] == SKIP).all() and (kinds[-1] != SKIP).all()
