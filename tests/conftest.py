@@ -29,7 +29,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu,cuda" if gpu else "cpu")
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # One persistent compilation cache per test session, which the pytest-xdist workers and the runs tests start inherit
 # (made here, in the session's first process, before the workers start): many tests compile the same tiny programs
-# (a train command's step, a GPU compile's kernels), and the key is the program, its options and the versions.
+# (a train command's step, a GPU compile's kernels), and the key is the program, its options and the versions. JAX
+# 0.12 cannot read back an executable compiled for compile-only GPUs (a UserWarning, then it compiles again).
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = CACHE = tempfile.mkdtemp(prefix="longctx-compile-cache-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.3"

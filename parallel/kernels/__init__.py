@@ -69,8 +69,8 @@ def select(
                 f"attention kernel 'flash3' runs on Hopper GPUs (compute capability 9.0, FlashAttention-3's sm90a "
                 f"code), not {where}; choose cudnn, pallas, blockwise or auto"
             )
-        if flash3.missing():
-            raise ValueError(flash3.missing())
+        if problem := flash3.missing():
+            raise ValueError(problem)
         return _packed("flash3", flash3, backend, capability, interpret)
     if backend != "gpu" and not interpret:
         raise ValueError(

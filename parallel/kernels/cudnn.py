@@ -61,7 +61,7 @@ import jax.numpy as jnp
 from parallel import compat
 from parallel.kernels import blockwise, packed
 from parallel.kernels.arguments import Options, Tokens
-from parallel.kernels.packed import ALL_VISIBLE, DIAGONAL, Unservable
+from parallel.kernels.packed import ALL_VISIBLE, DIAGONAL, Unservable  # noqa: F401 (cudnn.Unservable, as callers name it)
 
 fa = compat.cudnn_attention()
 MASKS = {DIAGONAL: fa.MaskType.PADDING_CAUSAL, ALL_VISIBLE: fa.MaskType.PADDING}
@@ -140,13 +140,7 @@ def _check(q, dv: int, primitives: Primitives, dlse_columns: int):
     where a GPU is present, JAX's own flash-attention check of the padded operands."""
     if primitives is not CUDNN:
         return
-    width = packed.width(q.shape[-1], dv, dlse_columns)
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or width > 256:
-        raise Unservable(
-            f"attention kernel 'cudnn' takes bfloat16 or float16 inputs of one padded head width <= 256, not "
-            f"{q.dtype} of width {width} (q/k head dim {q.shape[-1]}, v head dim {dv}, {dlse_columns} columns for "
-            f"the lse cotangent)"
-        )
+    width = packed.check_width("cudnn", q, dv, dlse_columns)
     if jax.default_backend() == "gpu":
         padded = jax.ShapeDtypeStruct((*q.shape[:3], width), q.dtype)
         version = fa.check_cudnn_version()

@@ -56,7 +56,6 @@ from parallel.kernels.packed import DIAGONAL, Unservable
 PACKAGE, LIBRARY = "dew_flash_attn", "libdew_flash_attn3.so"
 TARGETS = ("dew_flash3_mha_varlen_fwd", "dew_flash3_mha_varlen_bwd")
 MAX_SEGMENTS = 64  # slots a row: the kernel keeps no per-slot buffers, so this bounds only the documents a row served
-WIDEST = 256
 ROWS = "packed_rows_{rows}"
 SCRATCH_BLOCK = 128  # the backward's row block, the most its width and mask choose
 
@@ -141,14 +140,22 @@ def _backward(dout, q, k, v, out, lse, cu_q, cu_k, *, lengths, scale, causal, wi
 FLASH3 = Library(_forward, _backward)
 
 
-def sequences(seqlen, offsets, length: int):
+def _runs(seqlen, offsets):
     """A side's slots (seqlen [batch, m], offsets [batch, m + 1] as packed.metadata gives them, -1 where empty) ->
-    cu_seqlens [batch (2m + 1) + 1] int32 over the side's flattened rows of `length`: each slot's run with the gap
-    before it, and the row's last gap (an empty slot is a run of none where the previous one ended)."""
-    batch = seqlen.shape[0]
+    (filled, start, before) [batch, m]: whether each slot holds a run, where it starts, and where the runs of the
+    slots before it reach at the furthest (0 for the first)."""
     filled, start = seqlen > 0, offsets[:, :-1]
     reach = lax.cummax(jnp.where(filled, start + seqlen, 0), axis=1)
-    before = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), reach[:, :-1]], axis=1)
+    before = jnp.concatenate([jnp.zeros_like(reach[:, :1]), reach[:, :-1]], axis=1)
+    return filled, start, before
+
+
+def sequences(seqlen, offsets, length: int):
+    """A side's slots (as _runs takes them) -> cu_seqlens [batch (2m + 1) + 1] int32 over the side's flattened rows
+    of `length`: each slot's run with the gap before it, and the row's last gap (an empty slot is a run of none
+    where the previous one ended)."""
+    batch = seqlen.shape[0]
+    filled, start, before = _runs(seqlen, offsets)
     start = jnp.where(filled, start, before)
     stop = jnp.where(filled, start + seqlen, before)
     bounds = jnp.stack([start, stop], axis=2).reshape(batch, -1)
@@ -159,9 +166,7 @@ def sequences(seqlen, offsets, length: int):
 
 def out_of_order(seqlen, offsets):
     """[batch, m] slots of a side -> bool: some row's filled slots do not follow each other along it."""
-    filled, start = seqlen > 0, offsets[:, :-1]
-    reach = lax.cummax(jnp.where(filled, start + seqlen, 0), axis=1)
-    before = jnp.concatenate([jnp.zeros_like(reach[:, :1]), reach[:, :-1]], axis=1)
+    filled, start, before = _runs(seqlen, offsets)
     return jnp.any(filled & (start < before))
 
 
@@ -231,13 +236,7 @@ def _check(q, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, library:
     """Raises Unservable for inputs the kernels do not take (not 16-bit, a padded width past 256 with `dlse_columns`
     for the lse cotangent: 2 in a backward given one, else 0; a stand-in takes any dtype) and for a window the
     kernel cannot place (not a DIAGONAL call of static consecutive indices)."""
-    width = packed.width(q.shape[-1], v.shape[-1], dlse_columns)
-    if (library is FLASH3 and q.dtype not in (jnp.bfloat16, jnp.float16)) or width > WIDEST:
-        raise Unservable(
-            f"attention kernel 'flash3' takes bfloat16 or float16 inputs of one padded head width <= {WIDEST}, not "
-            f"{q.dtype} of width {width} (q/k head dim {q.shape[-1]}, v head dim {v.shape[-1]}, {dlse_columns} "
-            f"columns for the lse cotangent)"
-        )
+    packed.check_width("flash3", q, v.shape[-1], dlse_columns, any_dtype=library is not FLASH3)
     if options.window is not None:
         q_index, kv_index = (packed.known_at_trace_time(side.index) for side in (q_tokens, kv_tokens))
         diagonal = q_index is not None and kv_index is not None and np.array_equal(q_index, kv_index)

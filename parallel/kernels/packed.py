@@ -155,6 +155,20 @@ def width(dqk: int, dv: int, extra: int) -> int:
     return -(-max(dqk, dv + extra) // 8) * 8
 
 
+def check_width(kernel: str, q, dv: int, dlse_columns: int, *, any_dtype: bool = False) -> int:
+    """The padded width of `kernel`'s call on q [b, t, h, dqk] and a value head dim dv with `dlse_columns` for the
+    lse cotangent (2 in a backward given one, else 0); raises Unservable unless it is at most 256 and q is 16-bit
+    (any dtype where `any_dtype`: a stand-in's)."""
+    padded = width(q.shape[-1], dv, dlse_columns)
+    if (not any_dtype and q.dtype not in (jnp.bfloat16, jnp.float16)) or padded > 256:
+        raise Unservable(
+            f"attention kernel '{kernel}' takes bfloat16 or float16 inputs of one padded head width <= 256, not "
+            f"{q.dtype} of width {padded} (q/k head dim {q.shape[-1]}, v head dim {dv}, {dlse_columns} columns for "
+            f"the lse cotangent)"
+        )
+    return padded
+
+
 def switch(kind, q: Tokens, kv: Tokens, causal: bool, max_segments: int, by_kind: dict, *operands, unserved=None):
     """Runs by_kind[k](*operands) for the call's kind k: the static `kind` (then only it and GENERAL are compiled; a
     DIAGONAL whose query and key segment ids differ is GENERAL), or the kind decided from the traced indices of
