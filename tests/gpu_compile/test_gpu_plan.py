@@ -37,18 +37,26 @@ OVERRIDES = [  # the GPU default kernel (auto: cuDNN on Hopper), the tiny Llama'
 ]
 
 
-def plan_from_cli(argv):
-    """(exit status, printed text, MemoryPlan) of `python -m train ARGV`, run in this process."""
+def plan_from_cli(argv, compiles=None):
+    """(exit status, printed text, MemoryPlan) of `python -m train ARGV`, run in this process; each module it
+    compiles is appended to `compiles` as (its text, the compile options)."""
     plans, plan_memory, printed = [], cli.plan_memory, io.StringIO()
     with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
         patch.setattr(cli, "plan_memory", lambda *a, **kw: plans.append(plan_memory(*a, **kw)) or plans[-1])
+        if compiles is not None:
+            compile_lowered = jax.stages.Lowered.compile
+            patch.setattr(
+                jax.stages.Lowered,
+                "compile",
+                lambda self, options=None: compiles.append((self.as_text(), options)) or compile_lowered(self, options),
+            )
         status = cli.main(argv)
     return status, printed.getvalue(), plans[0] if plans else None
 
 
-def gpu_step_memory(config, devices):
-    """memory_analysis() of the train step compiled here for `devices`: the state, batch and plan a GPU run builds
-    (train/loop.py), with the plan's compile options (a real run's differ only in CUB's sort, see GPU_PLAN_OPTIONS)."""
+def gpu_step_module(config, devices) -> str:
+    """The train step a GPU run builds for `devices` (train/loop.py: its state, batch and plan), lowered here: the
+    module the plan must have compiled."""
     mesh = make_mesh(config.mesh, devices)
     graphdef, state, shardings = abstract_state(
         config.model, make_optimizer(config.optimizer, config.train.steps), mesh, compute=config.compute
@@ -61,7 +69,7 @@ def gpu_step_memory(config, devices):
             accum_steps=config.train.grad_accum_steps,
             plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0]),
         )
-        return step.lower(state, abstract_batch(config, mesh)).compile(GPU_PLAN_OPTIONS).memory_analysis()
+        return step.lower(state, abstract_batch(config, mesh)).as_text()
 
 
 @pytest.mark.parametrize(
@@ -72,10 +80,15 @@ def gpu_step_memory(config, devices):
     ],
 )
 def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
-    status, text, plan = plan_from_cli([str(config), *overrides, "--plan", "--target", "h100", "--devices", "8"])
+    compiles = []
+    argv = [str(config), *overrides, "--plan", "--target", "h100", "--devices", "8"]
+    status, text, plan = plan_from_cli(argv, compiles)
     assert status == 0, text
     run_config = for_accelerator(load_config(config, [*overrides, "checkpoint.init_from="]))
-    stats = gpu_step_memory(run_config, targets.compile_only_devices("h100", 8))
+    # the plan compiled, once and with its options (a run's differ only in CUB's sort, see GPU_PLAN_OPTIONS), the
+    # step a GPU run lowers; its numbers are that executable's
+    assert compiles == [(gpu_step_module(run_config, targets.compile_only_devices("h100", 8)), GPU_PLAN_OPTIONS)]
+    stats = plan.compiled.memory_analysis()
     assert (plan.arguments, plan.temporaries, plan.outputs, plan.aliased) == (
         stats.argument_size_in_bytes,
         stats.temp_size_in_bytes,
