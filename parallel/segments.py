@@ -39,15 +39,35 @@ def block_summary(segment_ids, index, block: int) -> BlockSummary:
     )
 
 
+def may_see(q, kv, *, causal: bool, window: int | None = None):
+    """Whether a query block and a key block may hold a visible pair, from their summaries' seg_min, seg_max,
+    index_min and index_max (a kernel's scalars, or arrays that broadcast; see visible_blocks)."""
+    visible = (q.seg_min <= kv.seg_max) & (kv.seg_min <= q.seg_max)
+    if causal:
+        visible &= kv.index_min <= q.index_max
+    if window is not None:
+        visible &= kv.index_max > q.index_min - window
+    return visible
+
+
+def visible_pairs(q, kv, *, causal: bool, window: int | None = None):
+    """Which (query, key) pairs are visible, from their `segment_ids` and global `index` (a query and a key side,
+    e.g. parallel.kernels.arguments.Tokens, whose arrays broadcast against each other): the same non-zero segment,
+    and when causal a key index not above the query's, within the `window`."""
+    mask = (q.segment_ids == kv.segment_ids) & (q.segment_ids > 0)
+    if causal:
+        mask &= kv.index <= q.index
+    if window is not None:
+        mask &= kv.index > q.index - window
+    return mask
+
+
 def visible_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool, window: int | None = None) -> jax.Array:
     """[batch, nq, nk] bool: False only when no (query, key) pair of the block pair can be visible (with a `window`
     W, a key j is visible to a query i only when i - W < j <= i)."""
-    visible = (q.seg_min[:, :, None] <= kv.seg_max[:, None, :]) & (kv.seg_min[:, None, :] <= q.seg_max[:, :, None])
-    if causal:
-        visible &= (q.index_max[:, None] >= kv.index_min[None, :])[None]
-    if window is not None:
-        visible &= (kv.index_max[None, :] > q.index_min[:, None] - window)[None]
-    return visible
+    rows = BlockSummary(q.seg_min[:, :, None], q.seg_max[:, :, None], q.index_min[:, None], q.index_max[:, None], None)
+    columns = BlockSummary(kv.seg_min[:, None], kv.seg_max[:, None], kv.index_min, kv.index_max, None)
+    return may_see(rows, columns, causal=causal, window=window)
 
 
 def full_blocks(q: BlockSummary, kv: BlockSummary, *, causal: bool, window: int | None = None) -> jax.Array:

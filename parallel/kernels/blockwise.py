@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel.kernels.arguments import Options, Tokens
-from parallel.segments import INT32_MAX, block_summary, full_blocks, visible_blocks
+from parallel.segments import INT32_MAX, block_summary, full_blocks, visible_blocks, visible_pairs
 
 
 def pad(x, axis: int, multiple: int, value=0):
@@ -43,7 +43,7 @@ def pad_keys(tokens: Tokens, multiple: int) -> Tokens:
     return Tokens(pad(tokens.segment_ids, 1, multiple), pad(tokens.index, 0, multiple, INT32_MAX))
 
 
-def _padded_blocks(length: int, block: int) -> tuple[int, int]:
+def padded_blocks(length: int, block: int) -> tuple[int, int]:
     """(block size, number of blocks) for a sequence of `length` with at most `block` tokens per block: as few
     blocks as `block` allows, of equal size rounded up to a multiple of 8, so padding stays under 8 blocks x 8
     tokens (a 768-token piece with block 512 is two blocks of 384, not 1024 tokens of which 256 are padding)."""
@@ -52,7 +52,7 @@ def _padded_blocks(length: int, block: int) -> tuple[int, int]:
     return size, -(-length // size)
 
 
-def _block_ranges(visible):
+def block_ranges(visible):
     """visible: [batch, n, m] bool -> (first, one past last) visible column per row, [batch, n] int32 (0, 0 if none)."""
     m = visible.shape[-1]
     any_visible = visible.any(-1)
@@ -61,15 +61,15 @@ def _block_ranges(visible):
     return jnp.where(any_visible, first, 0).astype(jnp.int32), jnp.where(any_visible, last, 0).astype(jnp.int32)
 
 
-def _take_block(x, b, i, size):
+def take_block(x, b, i, size):
     """Rows [i*size, (i+1)*size) of batch row b of x: [batch, t, ...] -> [size, ...]."""
     start = (b, i * size) + (0,) * (x.ndim - 2)
     return lax.dynamic_slice(x, start, (1, size, *x.shape[2:]))[0]
 
 
-def _side_block(tokens: Tokens, b, i, size) -> Tokens:
+def side_block(tokens: Tokens, b, i, size) -> Tokens:
     """Tokens [i*size, (i+1)*size) of batch row b: segment ids and indices, each [size]."""
-    return Tokens(_take_block(tokens.segment_ids, b, i, size), lax.dynamic_slice_in_dim(tokens.index, i * size, size))
+    return Tokens(take_block(tokens.segment_ids, b, i, size), lax.dynamic_slice_in_dim(tokens.index, i * size, size))
 
 
 def _query_block(x, b, i, size, kv_heads: int):
@@ -77,13 +77,13 @@ def _query_block(x, b, i, size, kv_heads: int):
     the queries of one key/value head as one matrix, so every block matmul is batched over kv_heads with the batch
     dimension leading (a plain batched GEMM on CPU, about 1.5x faster than token-major operands). Only the block
     is transposed, O(block) per pair, never a whole array."""
-    blk = _take_block(x, b, i, size)
+    blk = take_block(x, b, i, size)
     return blk.reshape(size, kv_heads, -1, x.shape[-1]).transpose(1, 0, 2, 3).reshape(kv_heads, -1, x.shape[-1])
 
 
 def _key_block(x, b, j, size):
     """Key rows [j*size, (j+1)*size) of batch row b of x [batch, t, kv_heads, d] -> [kv_heads, size, d]."""
-    return _take_block(x, b, j, size).transpose(1, 0, 2)
+    return take_block(x, b, j, size).transpose(1, 0, 2)
 
 
 def _token_rows(x, size: int):
@@ -98,7 +98,7 @@ def _add_at(x, blk, at):
     return lax.dynamic_update_slice(x, (old + blk).astype(x.dtype), at)
 
 
-def _pair_kinds(q: Tokens, kv: Tokens, bq: int, bk: int, options: Options):
+def pair_kinds(q: Tokens, kv: Tokens, bq: int, bk: int, options: Options):
     """[batch, nq, nk] int32 kind of each block pair of sides q and kv (padded to whole blocks of bq / bk): SKIP (no
     visible pair), MASKED (some), FULL (all visible, so no mask is built)."""
     q_summary = block_summary(q.segment_ids, q.index, bq)
@@ -111,13 +111,15 @@ def _pair_kinds(q: Tokens, kv: Tokens, bq: int, bk: int, options: Options):
 SKIP, MASKED, FULL = 0, 1, 2
 
 
+def pair_mask(q: Tokens, kv: Tokens, *, causal: bool, window: int | None = None):
+    """The tokens of a query and a key block ([bq] / [bk] ids and global indices) -> [bq, bk] visibility."""
+    rows, columns = Tokens(q.segment_ids[:, None], q.index[:, None]), Tokens(kv.segment_ids[None], kv.index[None])
+    return visible_pairs(rows, columns, causal=causal, window=window)
+
+
 def _pair_mask(q: Tokens, kv: Tokens, group: int, options: Options):
     """The tokens of one block pair ([bq] / [bk] ids and indices) -> [1, bq * group, bk] visibility."""
-    mask = (q.segment_ids[:, None] == kv.segment_ids[None, :]) & (q.segment_ids[:, None] > 0)
-    if options.causal:
-        mask &= kv.index[None, :] <= q.index[:, None]
-    if options.window is not None:
-        mask &= kv.index[None, :] > q.index[:, None] - options.window
+    mask = pair_mask(q, kv, causal=options.causal, window=options.window)
     return jnp.broadcast_to(mask[:, None, :], (mask.shape[0], group, mask.shape[1])).reshape(1, -1, mask.shape[1])
 
 
@@ -135,24 +137,24 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
     scale = options.scale
-    bq, nq = _padded_blocks(tq, options.block_q)
-    bk, _ = _padded_blocks(tk, options.block_kv)
+    bq, nq = padded_blocks(tq, options.block_q)
+    bk, _ = padded_blocks(tk, options.block_kv)
     q, q_tokens = pad(q, 1, bq), pad_queries(q_tokens, bq)
     k, v, kv_tokens = pad(k, 1, bk), pad(v, 1, bk), pad_keys(kv_tokens, bk)
-    kinds = _pair_kinds(q_tokens, kv_tokens, bq, bk, options)
-    first, last = _block_ranges(kinds > SKIP)
+    kinds = pair_kinds(q_tokens, kv_tokens, bq, bk, options)
+    first, last = block_ranges(kinds > SKIP)
 
     def q_block(flat):
         b, i = flat // nq, flat % nq
         q_blk = _query_block(q, b, i, bq, kv_heads)
-        q_side = _side_block(q_tokens, b, i, bq)
+        q_side = side_block(q_tokens, b, i, bq)
 
         def update(j, masked, carry):
             row_max, row_sum, acc = carry
             k_blk, v_blk = _key_block(k, b, j, bk), _key_block(v, b, j, bk)
             s = _scores(q_blk, k_blk, scale)
             if masked:
-                mask = _pair_mask(q_side, _side_block(kv_tokens, b, j, bk), group, options)
+                mask = _pair_mask(q_side, side_block(kv_tokens, b, j, bk), group, options)
                 s = jnp.where(mask, s, -jnp.inf)
             new_max = jnp.maximum(row_max, s.max(-1))
             safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -202,20 +204,20 @@ def backward(
     if dlse is not None:
         delta = delta - dlse
     scale = options.scale
-    bq, _ = _padded_blocks(tq, options.block_q)
-    bk, nk = _padded_blocks(tk, options.block_kv)
+    bq, _ = padded_blocks(tq, options.block_q)
+    bk, nk = padded_blocks(tk, options.block_kv)
     q, dout, q_tokens = pad(q, 1, bq), pad(dout, 1, bq), pad_queries(q_tokens, bq)
     lse, delta = pad(lse, 1, bq, -jnp.inf), pad(delta, 1, bq)
     k, v, kv_tokens = pad(k, 1, bk), pad(v, 1, bk), pad_keys(kv_tokens, bk)
-    kinds_t = jnp.swapaxes(_pair_kinds(q_tokens, kv_tokens, bq, bk, options), 1, 2)  # [batch, nk, nq]
-    first, last = _block_ranges(kinds_t > SKIP)
+    kinds_t = jnp.swapaxes(pair_kinds(q_tokens, kv_tokens, bq, bk, options), 1, 2)  # [batch, nk, nq]
+    first, last = block_ranges(kinds_t > SKIP)
     lse, delta = lse[..., None], delta[..., None]
 
     def kv_block(flat, grads):
         dq, dk, dv_ = grads
         b, j = flat // nk, flat % nk
         k_blk, v_blk = _key_block(k, b, j, bk), _key_block(v, b, j, bk)
-        kv_side = _side_block(kv_tokens, b, j, bk)
+        kv_side = side_block(kv_tokens, b, j, bk)
 
         def update(i, masked, dk_blk, dv_blk):
             """(this pair's dq block, dk_blk and dv_blk with its terms added)."""
@@ -224,7 +226,7 @@ def backward(
             s = _scores(q_blk, k_blk, scale)
             p = jnp.exp(s - jnp.where(jnp.isfinite(lse_blk), lse_blk, 0.0))
             if masked:
-                p = jnp.where(_pair_mask(_side_block(q_tokens, b, i, bq), kv_side, group, options), p, 0.0)
+                p = jnp.where(_pair_mask(side_block(q_tokens, b, i, bq), kv_side, group, options), p, 0.0)
             dp = jnp.einsum("hqd,hkd->hqk", do_blk, v_blk, preferred_element_type=jnp.float32)
             ds = (p * (dp - delta_blk)).astype(q.dtype)
             dq_blk = jnp.einsum("hqk,hkd->hqd", ds, k_blk, preferred_element_type=jnp.float32) * scale

@@ -33,7 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from parallel import segments
 from parallel.kernels.arguments import Options, Tokens
-from parallel.kernels.blockwise import pad, pad_keys, pad_queries
+from parallel.kernels.blockwise import block_ranges, pad, pad_keys, pad_queries
 
 BLOCK = 64  # rows of one warpgroup's matrix multiply: the query and key block of every kernel
 SHARED_MEMORY = 224 << 10  # of the 227 KiB an H100 block may use: the rest for the token vectors
@@ -104,28 +104,12 @@ class Operands(NamedTuple):
     delta: jax.Array | None = None
 
 
-def _visible(q: Summary, kv: Summary, static: Static):
-    """Whether a query block and a key block (scalars) may hold a visible pair (parallel.segments.visible_blocks)."""
-    visible = (q.seg_min <= kv.seg_max) & (kv.seg_min <= q.seg_max)
-    if static.causal:
-        visible &= kv.index_min <= q.index_max
-    if static.window is not None:
-        visible &= kv.index_max > q.index_min - static.window
-    return visible
-
-
 def _ranges(q: Summary, kv: Summary, options: Options, over: str) -> jax.Array:
     """[batch, n, 2] int32: for each block of one side, the first block of the other (`over`: "kv" or "q") that may
-    hold a visible pair with it and one past the last (equal when none), reduced in the fusion that compares them."""
+    hold a visible pair with it and one past the last (equal when none)."""
     full = lambda s: segments.BlockSummary(*s, padded=None)
     visible = segments.visible_blocks(full(q), full(kv), causal=options.causal, window=options.window)
-    if over == "q":
-        visible = jnp.swapaxes(visible, 1, 2)
-    n = visible.shape[-1]
-    position = jnp.arange(n, dtype=jnp.int32)
-    first = jnp.min(jnp.where(visible, position, n), -1)
-    last = jnp.max(jnp.where(visible, position + 1, 0), -1)
-    return jnp.stack([first, jnp.maximum(first, last)], -1).astype(jnp.int32)
+    return jnp.stack(block_ranges(jnp.swapaxes(visible, 1, 2) if over == "q" else visible), -1)
 
 
 def _mask(q_vectors, kv_vectors, shape, q_axis: int, static: Static):
@@ -135,15 +119,9 @@ def _mask(q_vectors, kv_vectors, shape, q_axis: int, static: Static):
     layouts = (ROWS, COLUMNS) if q_axis == 0 else (COLUMNS, ROWS)
     q_seg, q_index = (_vector(q_vectors.at[r], layouts[0]) for r in (0, 1))
     kv_seg, kv_index = (_vector(kv_vectors.at[r], layouts[1]) for r in (0, 1))
-    qs, ks = lax.broadcast_in_dim(q_seg, shape, [q_axis]), lax.broadcast_in_dim(kv_seg, shape, [kv_axis])
-    mask = (qs == ks) & (qs > 0)
-    if static.causal or static.window is not None:
-        qi, ki = lax.broadcast_in_dim(q_index, shape, [q_axis]), lax.broadcast_in_dim(kv_index, shape, [kv_axis])
-        if static.causal:
-            mask &= ki <= qi
-        if static.window is not None:
-            mask &= ki > qi - static.window
-    return mask
+    side = lambda seg, index, axis: Tokens(*(lax.broadcast_in_dim(x, shape, [axis]) for x in (seg, index)))
+    q, kv = side(q_seg, q_index, q_axis), side(kv_seg, kv_index, kv_axis)
+    return segments.visible_pairs(q, kv, causal=static.causal, window=static.window)
 
 
 def _vector(ref, layout):
@@ -254,7 +232,7 @@ def _forward_kernel(x: Operands, ranges, out_ref, lse_ref, scratch, *, static: S
         return acc, new_max, row_sum * correction + p.sum(axis=1)
 
     block = x.q_blocks.at(b, i)
-    visible = lambda j: _visible(block, x.kv_blocks.at(b, j), static)
+    visible = lambda j: segments.may_see(block, x.kv_blocks.at(b, j), causal=static.causal, window=static.window)
     minus_inf = plgpu.layout_cast(jnp.full((BLOCK,), -jnp.inf, jnp.float32), ROWS)
     init = (_zeros(BLOCK, v_smem.shape[-1]), minus_inf, _zeros(BLOCK, layout=ROWS))
     acc, row_max, row_sum = _loop(ranges[b, i, 0], ranges[b, i, 1], visible, fetch, compute, init)
@@ -292,7 +270,7 @@ def _dq_kernel(x: Operands, ranges, dq_ref, scratch, *, static: Static):
         return _accumulate(dq, ds.astype(k_smem.dtype), k_smem.at[slot], staging)
 
     block = x.q_blocks.at(b, i)
-    visible = lambda j: _visible(block, x.kv_blocks.at(b, j), static)
+    visible = lambda j: segments.may_see(block, x.kv_blocks.at(b, j), causal=static.causal, window=static.window)
     dq = _loop(ranges[b, i, 0], ranges[b, i, 1], visible, fetch, compute, _zeros(BLOCK, q_smem.shape[-1]))
     dq_smem[...] = (dq * static.scale).astype(dq_smem.dtype)
     plgpu.commit_smem()
@@ -336,7 +314,9 @@ def _dkdv_kernel(x: Operands, ranges, *refs, static: Static, wanted: tuple[str, 
         return tuple(grads[name] for name in wanted)
 
     block = x.kv_blocks.at(b, j)
-    visible = lambda n: _visible(x.q_blocks.at(b, lax.div(n, static.group)), block, static)
+    visible = lambda n: segments.may_see(
+        x.q_blocks.at(b, lax.div(n, static.group)), block, causal=static.causal, window=static.window
+    )
     lo, hi = ranges[b, j, 0] * static.group, ranges[b, j, 1] * static.group
     widths, scales = {"dk": k_smem.shape[-1], "dv": v_smem.shape[-1]}, {"dk": static.scale, "dv": 1.0}
     grads = _loop(lo, hi, visible, fetch, compute, tuple(_zeros(BLOCK, widths[name]) for name in wanted))

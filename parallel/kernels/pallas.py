@@ -22,7 +22,6 @@ length is staged in shared memory (Mosaic GPU would copy it there).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,18 +31,8 @@ from jax.experimental import pallas as pl
 from parallel import compat
 from parallel.kernels import mosaic
 from parallel.kernels.arguments import Options, Tokens
-from parallel.segments import INT32_MAX
-
-
-def _pad_to(x, axis: int, size: int, value=0):
-    """Pads `axis` of x with `value` up to `size`."""
-    extra = size - x.shape[axis]
-    if not extra:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, constant_values=value)
-
+from parallel.kernels.blockwise import pad, pad_keys, pad_queries, pair_mask
+from parallel.segments import INT32_MAX, may_see
 
 # Triton compiler params of every kernel: 8 warps (two warpgroups; with 4, H100 compiles of these tiles spill
 # registers), 2 stages (as JAX's Pallas attention; the streamed loads sit under the block-skip cond, which Triton's
@@ -85,39 +74,9 @@ def _load(refs: Tokens, at=...) -> Tokens:
     return Tokens(refs.segment_ids[at], refs.index[at])
 
 
-class Summary(NamedTuple):
-    """Segment-id and global-index range of one block (scalars): smallest non-zero id, largest id, smallest and
-    largest index."""
-
-    seg_min: jax.Array
-    seg_max: jax.Array
-    index_min: jax.Array
-    index_max: jax.Array
-
-
-def _summary(tokens: Tokens) -> Summary:
+def _summary(tokens: Tokens) -> mosaic.Summary:
     seg, index = tokens.segment_ids, tokens.index
-    return Summary(jnp.min(jnp.where(seg > 0, seg, INT32_MAX)), jnp.max(seg), jnp.min(index), jnp.max(index))
-
-
-def _visible(q: Summary, kv: Summary, causal: bool, window: int | None):
-    """Whether any (query, key) pair of two blocks can be visible (parallel.segments.visible_blocks, one pair)."""
-    visible = (q.seg_min <= kv.seg_max) & (kv.seg_min <= q.seg_max)
-    if causal:
-        visible &= kv.index_min <= q.index_max
-    if window is not None:
-        visible &= kv.index_max > q.index_min - window
-    return visible
-
-
-def _mask(q: Tokens, kv: Tokens, causal: bool, window: int | None):
-    """The tokens of a query and a key block ([bq] / [bk] ids and global indices) -> [bq, bk] visibility."""
-    mask = (q.segment_ids[:, None] == kv.segment_ids[None, :]) & (q.segment_ids[:, None] > 0)
-    if causal:
-        mask &= kv.index[None, :] <= q.index[:, None]
-    if window is not None:
-        mask &= kv.index[None, :] > q.index[:, None] - window
-    return mask
+    return mosaic.Summary(jnp.min(jnp.where(seg > 0, seg, INT32_MAX)), jnp.max(seg), jnp.min(index), jnp.max(index))
 
 
 def _dot(a, b, *, transpose_b: bool = False):
@@ -135,7 +94,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_re
     def update(window, kv_side, carry):
         row_max, row_sum, acc = carry
         s = _dot(q, k_ref[window, :], transpose_b=True) * scale
-        s = jnp.where(_mask(q_side, kv_side, causal, sliding), s, -jnp.inf)
+        s = jnp.where(pair_mask(q_side, kv_side, causal=causal, window=sliding), s, -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(-1))
         safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
         p = jnp.exp(s - safe_max[:, None])
@@ -146,7 +105,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_re
     def step(j, carry):
         window = pl.ds(j * bk, bk)
         kv_side = _load(kv_refs, window)
-        visible = _visible(q_summary, _summary(kv_side), causal, sliding)
+        visible = may_see(q_summary, _summary(kv_side), causal=causal, window=sliding)
         return lax.cond(visible, functools.partial(update, window, kv_side), lambda c: c, carry)
 
     bq = q.shape[0]
@@ -164,15 +123,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_re
 def _pad_operands(q, k, v, q_multiple: int, kv_multiple: int):
     """(q, k, v) with lengths padded to whole multiples of the (power-of-two) blocks given and head dims to powers of
     two."""
-    tq, tk = (-(-t // m) * m for t, m in ((q.shape[1], q_multiple), (k.shape[1], kv_multiple)))
     dqk, dv = pl.next_power_of_2(q.shape[-1]), pl.next_power_of_2(v.shape[-1])
-    return _pad_to(_pad_to(q, 1, tq), 3, dqk), _pad_to(_pad_to(k, 1, tk), 3, dqk), _pad_to(_pad_to(v, 1, tk), 3, dv)
-
-
-def _pad_side(tokens: Tokens, length: int, index_value=0) -> Tokens:
-    """Segment ids [batch, t] and indices [t] padded to `length`: ids 0 (padding), indices `index_value` (INT32_MAX
-    for keys: padded keys skip causally; the largest index for queries: the window's skipping stays as it was)."""
-    return Tokens(_pad_to(tokens.segment_ids, 1, length), _pad_to(tokens.index, 0, length, index_value))
+    return pad(pad(q, 1, q_multiple), 3, dqk), pad(pad(k, 1, kv_multiple), 3, dqk), pad(pad(v, 1, kv_multiple), 3, dv)
 
 
 def forward(
@@ -188,7 +140,7 @@ def forward(
     bq, bk, params = _config("forward", q, k, v, options)
     q, k, v = _pad_operands(q, k, v, bq, bk)
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad, jnp.max(q_tokens.index)), _pad_side(kv_tokens, tk_pad, INT32_MAX)
+    q_tokens, kv_tokens = pad_queries(q_tokens, tq_pad), pad_keys(kv_tokens, tk_pad)
     static = dict(
         causal=options.causal, window=options.window, scale=options.scale, block_kv=bk, kv_blocks=tk_pad // bk
     )
@@ -231,7 +183,7 @@ def _dkdv_kernel(
         lse, delta = lse_ref[head, window], delta_ref[head, window]
         s = _dot(q, k, transpose_b=True) * scale
         lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-        p = jnp.where(_mask(q_side, kv_side, causal, sliding), jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(pair_mask(q_side, kv_side, causal=causal, window=sliding), jnp.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, v, transpose_b=True)
         ds = (p * (dp - delta[:, None])).astype(q.dtype)
         dv = dv + _dot(p.astype(do.dtype).T, do)
@@ -241,7 +193,7 @@ def _dkdv_kernel(
     def step(n, carry):  # query block n / group, query head n % group of those that share this key-value head
         window = pl.ds(lax.div(n, group) * bq, bq)
         q_side = _load(q_refs, window)
-        visible = _visible(_summary(q_side), kv_summary, causal, sliding)
+        visible = may_see(_summary(q_side), kv_summary, causal=causal, window=sliding)
         return lax.cond(visible, functools.partial(update, window, q_side, lax.rem(n, group)), lambda c: c, carry)
 
     init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
@@ -260,14 +212,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, 
     def update(window, kv_side, dq):
         k, v = k_ref[window, :], v_ref[window, :]
         s = _dot(q, k, transpose_b=True) * scale
-        p = jnp.where(_mask(q_side, kv_side, causal, sliding), jnp.exp(s - lse[:, None]), 0.0)
+        p = jnp.where(pair_mask(q_side, kv_side, causal=causal, window=sliding), jnp.exp(s - lse[:, None]), 0.0)
         ds = (p * (_dot(do, v, transpose_b=True) - delta[:, None])).astype(k.dtype)
         return dq + _dot(ds, k) * scale
 
     def step(j, dq):
         window = pl.ds(j * bk, bk)
         kv_side = _load(kv_refs, window)
-        visible = _visible(q_summary, _summary(kv_side), causal, sliding)
+        visible = may_see(q_summary, _summary(kv_side), causal=causal, window=sliding)
         return lax.cond(visible, functools.partial(update, window, kv_side), lambda c: c, dq)
 
     dq = lax.fori_loop(0, nk, step, jnp.zeros(q.shape, jnp.float32))
@@ -301,11 +253,11 @@ def backward(
     bq_dq, bk_dq, dq_params = _config("dq", q, k, v, options)
     q, k, v = _pad_operands(q, k, v, max(bq, bq_dq), max(bk, bk_dq))
     tq_pad, tk_pad, dqk_pad, dv_pad = q.shape[1], k.shape[1], q.shape[-1], v.shape[-1]
-    q_tokens, kv_tokens = _pad_side(q_tokens, tq_pad, jnp.max(q_tokens.index)), _pad_side(kv_tokens, tk_pad, INT32_MAX)
+    q_tokens, kv_tokens = pad_queries(q_tokens, tq_pad), pad_keys(kv_tokens, tk_pad)
     causal, window, scale = options.causal, options.window, options.scale
-    dout = _pad_to(_pad_to(dout, 1, tq_pad), 3, dv_pad)
-    lse = jnp.swapaxes(_pad_to(lse, 1, tq_pad, -jnp.inf), 1, 2)  # [batch, heads, tq]
-    delta = jnp.swapaxes(_pad_to(delta, 1, tq_pad), 1, 2)
+    dout = pad(pad(dout, 1, tq_pad), 3, dv_pad)
+    lse = jnp.swapaxes(pad(lse, 1, tq_pad, -jnp.inf), 1, 2)  # [batch, heads, tq]
+    delta = jnp.swapaxes(pad(delta, 1, tq_pad), 1, 2)
     operands = (q, k, v, dout, lse, delta, q_tokens, kv_tokens)
     dk, dv_ = pl.pallas_call(
         functools.partial(

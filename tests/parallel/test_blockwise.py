@@ -7,7 +7,7 @@ import pytest
 
 from parallel import kernels
 from parallel.kernels import Options, Tokens
-from parallel.kernels.blockwise import SKIP, _padded_blocks, _pair_kinds, pad_keys
+from parallel.kernels.blockwise import SKIP, pad_keys, padded_blocks, pair_kinds
 from parallel.segments import block_summary, visible_blocks
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
@@ -108,7 +108,7 @@ def test_packed_row_skips_blocks():
 @pytest.mark.parametrize("length, block", [(768, 512), (1000, 512), (130, 64), (40, 16), (128, 512), (8192, 512)])
 def test_blocks_fit_the_length(length, block):
     """Blocks of at most `block` tokens, as few as that allows, padding under 8 tokens per block."""
-    size, count = _padded_blocks(length, block)
+    size, count = padded_blocks(length, block)
     assert size <= block and count == -(-length // block)
     assert 0 <= size * count - length < 8 * count
 
@@ -117,9 +117,9 @@ def test_padded_key_block_is_skipped_causally():
     """A length that is not whole blocks: the last key block (real keys 32..39, then padding) is skipped by the
     causal query blocks before it, as if it had no padding."""
     length, block = 40, 16
-    size, count = _padded_blocks(length, block)
+    size, count = padded_blocks(length, block)
     seg = jnp.pad(jnp.ones((1, length), jnp.int32), ((0, 0), (0, size * count - length)))
     q_index = jnp.pad(jnp.arange(length, dtype=jnp.int32), (0, size * count - length))
     keys = pad_keys(Tokens(jnp.ones((1, length), jnp.int32), jnp.arange(length, dtype=jnp.int32)), size)
-    kinds = np.asarray(_pair_kinds(Tokens(seg, q_index), keys, size, size, Options(causal=True)))[0]
+    kinds = np.asarray(pair_kinds(Tokens(seg, q_index), keys, size, size, Options(causal=True)))[0]
     assert (kinds[:-1, -1] == SKIP).all() and (kinds[-1] != SKIP).all()

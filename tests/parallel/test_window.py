@@ -10,7 +10,7 @@ import pytest
 
 from parallel import kernels
 from parallel.kernels import Options, Tokens, blockwise, cudnn
-from parallel.kernels.blockwise import FULL, SKIP, _pair_kinds
+from parallel.kernels.blockwise import FULL, SKIP, pair_kinds
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 
@@ -98,12 +98,12 @@ def test_the_window_skips_whole_block_pairs(window):
     options = Options(window=window)
     contiguous = np.arange(length, dtype=np.int32)
     one_doc = Tokens(jnp.ones((1, length), jnp.int32), jnp.asarray(contiguous))
-    kinds = np.asarray(_pair_kinds(one_doc, one_doc, block, block, options))[0]
+    kinds = np.asarray(pair_kinds(one_doc, one_doc, block, block, options))[0]
     np.testing.assert_array_equal(kinds, dense_kinds(contiguous, contiguous, window, block))
     index = layout_index(length, 4, "dual_chunk")
     seg = packed_segments(2, length, seed=window)[:, index]
     balanced = Tokens(jnp.asarray(seg), jnp.asarray(index))
-    kinds = np.asarray(_pair_kinds(balanced, balanced, block, block, options))
+    kinds = np.asarray(pair_kinds(balanced, balanced, block, block, options))
     for row in range(2):
         same = (seg[row][:, None] == seg[row][None, :]) & (seg[row][:, None] > 0)
         visible = same & (index[None, :] <= index[:, None]) & (index[None, :] > index[:, None] - window)
