@@ -1,4 +1,6 @@
-"""DeepSeek-V2/V3 multi-head latent attention (Hugging Face `DeepseekV3Attention`) over `parallel.attention`.
+"""DeepSeek-V2/V3 multi-head latent attention (Hugging Face `DeepseekV3Attention`) over `parallel.attention`; with
+`index_topk`, DeepSeek-V3.2's sparse form (`DeepseekV32Attention`): the indexer (layers/indexer.py) picks each query's
+index_topk keys for `parallel.sparse_attention` on rows longer than that.
 Hugging Face q_a_proj, q_a_layernorm, q_b_proj, q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj map to
 q_a, q_a_norm, q_b, q, kv_a, kv_a_norm, kv_b, o; a Linear weight [out, in] is our kernel [in, ...out] transposed.
 q_a_norm / kv_a_norm use eps 1e-6 (`norm_eps`' default) whatever the model's norm eps, as DeepSeek's and
@@ -11,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 import parallel
+from layers.indexer import Indexer
 from layers.norm import RMSNorm
 from layers.params import normal_param
 from layers.rope import apply_rope, inverse_frequencies, yarn_softmax_scale
@@ -33,6 +36,10 @@ class MLA(nnx.Module):
         rope_theta: float,
         rope_scaling=None,
         norm_eps: float = 1e-6,
+        index_topk: int = 0,
+        index_heads: int = 0,
+        index_head_dim: int = 0,
+        index_rope_interleaved: bool = False,
         param_dtype=jnp.float32,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -72,6 +79,10 @@ class MLA(nnx.Module):
             ("heads", "head_dim", "embed"),
             param_dtype,
         )
+        self.index_topk = index_topk
+        index = dict(heads=index_heads, head_dim=index_head_dim, rope_dim=qk_rope_head_dim)
+        index |= dict(interleaved=index_rope_interleaved, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.indexer = Indexer(embed_dim, q_lora_rank, **index) if index_topk else None
 
     def __call__(self, x, positions, segment_ids=None):
         """x: [batch, length, embed] in the residual stream's layout, positions/segment_ids: [batch, length] ->
@@ -107,9 +118,16 @@ class MLA(nnx.Module):
         query = jnp.concatenate([q[..., : self.qk_nope_head_dim], q_pe], axis=-1)
         key = jnp.concatenate([k_nope, k_pe], axis=-1)
         latent = parallel.Latent(rotated, kv_b, self.qk_nope_head_dim)
-        out = parallel.attention(
-            query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale, latent=latent
-        )
+        if self.indexer is not None and x.shape[1] > self.index_topk:
+            index = self.indexer(query_in, x, positions, inv_freq, self.rope_factor)
+            out = parallel.sparse_attention(
+                query, key, value, index=index, count=self.index_topk, segment_ids=segment_ids, scale=self.scale,
+                latent=latent,
+            )  # fmt: skip
+        else:  # every visible key: dense attention
+            out = parallel.attention(
+                query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale, latent=latent
+            )
         return checkpoint_name(
             parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"), "o_proj"
         )

@@ -59,6 +59,11 @@ class ModelConfig:
     qk_nope_head_dim: int = 0  # qk_nope_head_dim: each query / key head's features without rope
     qk_rope_head_dim: int = 0  # qk_rope_head_dim (one rotary key shared by all heads)
     v_head_dim: int = 0  # v_head_dim: each value head's width
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): an indexer picks each query's index_topk keys; 0 = dense MLA
+    index_topk: int = 0  # index_topk: keys each query attends (a row no longer attends densely)
+    index_heads: int = 0  # index_n_heads: the indexer's query heads
+    index_head_dim: int = 0  # index_head_dim: the indexer's query / key width (its first qk_rope_head_dim rotated)
+    index_rope_interleaved: bool = False  # the indexer's rotary pairs: half-split (V3.2) or interleaved (GLM-5)
     # Mixture of experts (families in EXPERT_FAMILIES); num_experts 0 = dense MLP everywhere
     num_experts: int = 0  # n_routed_experts; num_experts (Qwen3-MoE); num_local_experts (Mixtral)
     experts_per_token: int = 0  # num_experts_per_tok: routed experts each token goes to
@@ -169,6 +174,12 @@ def check_model(m: ModelConfig) -> None:
     _check_layer_types(m)
     if m.family == "deepseek":
         _check_latent(m)
+    else:
+        require(
+            not m.index_topk,
+            f"model.index_topk={m.index_topk}: sparse attention's indexer reads latent attention's query latent; "
+            f"model.family={m.family} has none: set model.index_topk=0",
+        )
     _check_experts(m)
 
 
@@ -271,6 +282,19 @@ def _check_latent(m: ModelConfig) -> None:
         require(getattr(m, key) > 0, f"model.{key}={getattr(m, key)} must be > 0 for model.family=deepseek")
     require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={m.qk_rope_head_dim} must be even")
     require(m.q_lora_rank >= 0, f"model.q_lora_rank={m.q_lora_rank} must be >= 0 (0 = full-rank query)")
+    require(m.index_topk >= 0, f"model.index_topk={m.index_topk} must be >= 0 (0 = dense latent attention)")
+    if m.index_topk:
+        require(
+            m.q_lora_rank > 0,
+            f"model.index_topk={m.index_topk}: the indexer reads the query latent, so "
+            f"model.q_lora_rank={m.q_lora_rank} must be > 0",
+        )
+        require(m.index_heads > 0, f"model.index_heads={m.index_heads} must be > 0 with model.index_topk > 0")
+        require(
+            m.index_head_dim >= m.qk_rope_head_dim,
+            f"model.index_head_dim={m.index_head_dim} must hold the qk_rope_head_dim={m.qk_rope_head_dim} rotated "
+            f"features",
+        )
     require(
         SLIDING not in m.layer_kinds,
         f"model.sliding_window={m.sliding_window} is a grouped-query attention feature; latent attention "

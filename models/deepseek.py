@@ -23,6 +23,10 @@ def latent_attention(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MLA:
         v_head_dim=config.v_head_dim,
         rope_theta=config.rope_theta,
         rope_scaling=config.rope_scaling,
+        index_topk=config.index_topk,
+        index_heads=config.index_heads,
+        index_head_dim=config.index_head_dim,
+        index_rope_interleaved=config.index_rope_interleaved,
         rngs=rngs,
         **kw,
     )

@@ -1,6 +1,7 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
 tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.lookup` (the
-embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.shard` (logical names),
+embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.sparse_attention` (with the indexer's
+`parallel.Index`), `parallel.shard` (logical names),
 `parallel.residual`, `parallel.gather`, `parallel.project_scatter`, `parallel.routed_experts` and, for Gated
 DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
 """
@@ -19,10 +20,12 @@ from parallel.mesh import logical_spec
 from parallel.plan import current_plan
 from parallel.recurrent import causal_conv, gated_delta
 from parallel.reorder import LAYOUTS
+from parallel.sparse import Index, sparse_attention
 from parallel.strategies import ROTATES_LATENT, STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
 __all__ = [
+    "Index",
     "Latent",
     "attention",
     "causal_conv",
@@ -33,6 +36,7 @@ __all__ = [
     "residual",
     "routed_experts",
     "shard",
+    "sparse_attention",
 ]
 
 

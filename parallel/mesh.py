@@ -32,6 +32,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "q_lora": ("fsdp", "context", "ulysses"),  # latent-attention parameters: sharded like embed (activations:
     "kv_lora": ("fsdp", "context", "ulysses"),  # their batch and length take these axes first)
     "head_dim": (),
+    "index_heads": (),  # the sparse-attention indexer's heads (every device scores its queries with all of them)
     "norm": (),
     "taps": (),  # a convolution's taps (Gated DeltaNet)
     "layers": (),

@@ -133,13 +133,14 @@ def _model_config(hf: dict, architecture: str, **routing) -> ModelConfig:
     )
 
 
-def config_from_hf(hf: dict) -> ModelConfig:
-    """config.json of a DeepseekV3ForCausalLM -> ModelConfig (runtime fields left at their defaults)."""
-    _check(hf, ARCHITECTURE, {**REQUIRED, **DEEPSEEK_REQUIRED})
+def config_from_hf(hf: dict, architecture: str = ARCHITECTURE) -> ModelConfig:
+    """config.json of a DeepseekV3ForCausalLM (or an `architecture` that routes and attends as it does) ->
+    ModelConfig (runtime fields left at their defaults)."""
+    _check(hf, architecture, {**REQUIRED, **DEEPSEEK_REQUIRED})
     hf = {**DEFAULTS, **hf}
     return _model_config(
         hf,
-        ARCHITECTURE,
+        architecture,
         n_group=hf["n_group"] or 1,
         topk_group=hf["topk_group"] or 1,
         norm_topk_prob=bool(hf["norm_topk_prob"]),
@@ -171,16 +172,16 @@ def v2_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def is_v3(config: ModelConfig) -> bool:
-    """Whether `config` routes as DeepSeek-V3 (sigmoid scores)."""
-    return config.router_score == "sigmoid"
+    """Whether `config` routes as DeepSeek-V3 (sigmoid scores) and attends densely."""
+    return config.router_score == "sigmoid" and not config.index_topk
 
 
 def is_v2(config: ModelConfig) -> bool:
-    """Whether `config` routes as DeepSeek-V2 (softmax scores)."""
-    return config.router_score == "softmax"
+    """Whether `config` routes as DeepSeek-V2 (softmax scores) and attends densely."""
+    return config.router_score == "softmax" and not config.index_topk
 
 
-def _hf_config(config: ModelConfig, architecture: str, model_type: str) -> dict:
+def hf_config(config: ModelConfig, architecture: str, model_type: str) -> dict:
     """The config.json keys both architectures share: decoder_config_to_hf's, latent attention and experts."""
     return {
         **decoder_config_to_hf(config, architecture, model_type, ROPE_TYPES),
@@ -206,10 +207,11 @@ def config_to_hf(config: ModelConfig) -> dict:
     layers)."""
     if not is_v3(config):
         raise ValueError(
-            f"{ARCHITECTURE}: model.router_score={config.router_score!r}; DeepSeek-V3 routes with 'sigmoid'"
+            f"{ARCHITECTURE}: model.router_score={config.router_score!r}, model.index_topk={config.index_topk}; "
+            f"DeepSeek-V3 routes with 'sigmoid' and attends densely"
         )
     return {
-        **_hf_config(config, ARCHITECTURE, "deepseek_v3"),
+        **hf_config(config, ARCHITECTURE, "deepseek_v3"),
         "norm_topk_prob": config.norm_topk_prob,
         "rope_interleave": True,
         "num_nextn_predict_layers": 0,
@@ -227,7 +229,7 @@ def v2_config_to_hf(config: ModelConfig) -> dict:
         )
     topk_method = "group_limited_greedy" if config.n_group > 1 else "greedy"
     return {
-        **_hf_config(config, V2_ARCHITECTURE, "deepseek_v2"),
+        **hf_config(config, V2_ARCHITECTURE, "deepseek_v2"),
         "topk_method": topk_method,
         "aux_loss_alpha": aux_loss_coef(config, V2_ARCHITECTURE, ("sequence", "layer")),
         "seq_aux": config.router_aux_loss_scope != "layer",
@@ -334,11 +336,14 @@ def _experts(config: ModelConfig, selection_bias: bool) -> list[Tensor]:
     return table
 
 
-def _table(config: ModelConfig, interleaved: bool, selection_bias: bool) -> list[Tensor]:
-    table = [Tensor("model.embed_tokens.weight", ("embed", "embedding"))]
+def table(config: ModelConfig, interleaved: bool, selection_bias: bool, indexer=None) -> list[Tensor]:
+    """Every tensor of a DeepSeek checkpoint; `indexer(stack, slices)`: each stack's sparse-attention indexer
+    tensors (DeepSeek-V3.2), after its attention's."""
+    more = indexer or (lambda stack, slices: [])
+    found = [Tensor("model.embed_tokens.weight", ("embed", "embedding"))]
     if config.num_dense_layers:
-        table += _attention("dense_layers", dense_layers, config, interleaved)
-        table += [
+        found += _attention("dense_layers", dense_layers, config, interleaved) + more("dense_layers", dense_layers)
+        found += [
             Tensor(
                 "model.layers.{layer}." + f"mlp.{name}_proj.weight",
                 ("dense_layers", "mlp", name),
@@ -349,27 +354,28 @@ def _table(config: ModelConfig, interleaved: bool, selection_bias: bool) -> list
             for name in ("gate", "up", "down")
         ]
     if config.num_moe_layers:
-        table += _attention("moe_layers", moe_layers, config, interleaved) + _experts(config, selection_bias)
-    table.append(Tensor("model.norm.weight", ("final_norm", "scale")))
+        found += _attention("moe_layers", moe_layers, config, interleaved) + more("moe_layers", moe_layers)
+        found += _experts(config, selection_bias)
+    found.append(Tensor("model.norm.weight", ("final_norm", "scale")))
     if not config.tie_embeddings:
-        table.append(Tensor("lm_head.weight", ("head", "kernel"), transpose, transpose))
-    return table
+        found.append(Tensor("lm_head.weight", ("head", "kernel"), transpose, transpose))
+    return found
 
 
 def tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a DeepseekV3ForCausalLM checkpoint as written (interleaved rotary columns);
     lm_head.weight only when embeddings are untied, shared experts only when there are some."""
-    return _table(config, interleaved=True, selection_bias=True)
+    return table(config, interleaved=True, selection_bias=True)
 
 
 def read_tensors(config: ModelConfig, hf: dict) -> list[Tensor]:
     """The tensors of a checkpoint with config.json `hf`, whose rope_interleave chooses the rotary column order."""
-    return _table(config, interleaved=bool(hf.get("rope_interleave", DEFAULTS["rope_interleave"])), selection_bias=True)
+    return table(config, interleaved=bool(hf.get("rope_interleave", DEFAULTS["rope_interleave"])), selection_bias=True)
 
 
 def v2_tensors(config: ModelConfig) -> list[Tensor]:
     """Every tensor of a DeepseekV2ForCausalLM checkpoint: DeepSeek-V3's without the selection bias."""
-    return _table(config, interleaved=True, selection_bias=False)
+    return table(config, interleaved=True, selection_bias=False)
 
 
 def v2_zeros(config: ModelConfig) -> tuple[tuple[str, ...], ...]:

@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 from models.config import ModelConfig
-from models.hf import deepseek, gemma3, gemma3_vision, gpt_oss, llama, mistral, qwen, qwen3_5, qwen3_5_moe, qwen3_next
+from models.hf import (
+    deepseek,
+    deepseek_v32,
+    gemma3,
+    gemma3_vision,
+    gpt_oss,
+    llama,
+    mistral,
+    qwen,
+    qwen3_5,
+    qwen3_5_moe,
+    qwen3_next,
+)
 from models.hf.spec import Family
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY,
     deepseek.FAMILY,
     deepseek.V2_FAMILY,
+    deepseek_v32.FAMILY,
     qwen.QWEN2_FAMILY,
     qwen.QWEN3_FAMILY,
     qwen.QWEN3_MOE_FAMILY,

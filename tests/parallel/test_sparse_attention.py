@@ -62,8 +62,8 @@ def test_top_k_matches_dense_top_k(layout):
         np.testing.assert_allclose(np.where(np.isinf(scores), 0, scores), np.where(np.isinf(expected), 0, expected))
         chosen = np.take_along_axis(np.asarray(dense), np.asarray(selection.indices), -1)
         np.testing.assert_allclose(chosen[np.isfinite(scores)], scores[np.isfinite(scores)], rtol=1e-6)
-        for row, valid in zip(np.asarray(selection.indices).reshape(-1, count), np.isfinite(scores).reshape(-1, count)):
-            assert len(set(row[valid])) == valid.sum()  # no key twice
+        indices, valid = np.asarray(selection.indices).reshape(-1, count), np.isfinite(scores).reshape(-1, count)
+        assert all(len(set(row[seen])) == seen.sum() for row, seen in zip(indices, valid, strict=True))  # no key twice
 
 
 def test_top_k_refuses_a_count_beyond_the_keys():

@@ -1,0 +1,73 @@
+"""Hugging Face DeepSeek-V3.2 <-> longctx on one device: a tiny random DeepseekV32ForCausalLM whose rows are longer
+than index_topk (so each query attends its indexer's selection) gives transformers' logits at 1e-4 when imported,
+and exported back its tensors and logits; the indexer's selection matters (a larger index_topk changes the logits).
+A config.json we cannot represent is named."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+from models.hf.deepseek_v32 import config_from_hf, config_to_hf
+from models.hf.families import for_export
+from tests.models.hf_reference import assert_round_trip, hf_logits, our_logits, save_random, tokens
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    index_topk=6,
+    index_n_heads=4,
+    index_head_dim=16,
+    initializer_range=0.1,
+    rms_norm_eps=1e-6,
+)
+
+
+def test_import_and_export_match_transformers(tmp_path):
+    torch.manual_seed(0)
+    reference = save_random(DeepseekV32ForCausalLM(DeepseekV32Config(**TINY)), tmp_path / "hf", "30KB")
+    model = assert_round_trip(reference, tmp_path / "hf", tmp_path / "out")
+    config = model.config
+    assert (config.index_topk, config.index_heads, config.index_head_dim) == (6, 4, 16)
+    assert not config.index_rope_interleaved
+    ids = tokens()  # 24 tokens a row: 4 x index_topk
+    reference.config.index_topk = 24
+    for layer in reference.model.layers:
+        layer.self_attn.indexer.index_topk = 24
+    assert np.abs(hf_logits(reference, ids) - our_logits(model, ids)).max() > 1e-2  # the selection matters
+
+
+def test_config_round_trips():
+    config = config_from_hf({"architectures": ["DeepseekV32ForCausalLM"], **TINY})
+    assert config_from_hf({"architectures": ["DeepseekV32ForCausalLM"], **config_to_hf(config)}) == config
+    with pytest.raises(ValueError, match=r"index_rope_interleaved=True; DeepSeek-V3\.2 routes with 'sigmoid'"):
+        config_to_hf(dataclasses.replace(config, index_rope_interleaved=True))
+
+
+def test_full_rank_query_is_named():
+    with pytest.raises(ValueError, match="q_lora_rank=None; its indexer reads the query latent"):
+        config_from_hf({**TINY, "q_lora_rank": None})
+
+
+def test_export_architecture_follows_the_indexer():
+    config = config_from_hf({"architectures": ["DeepseekV32ForCausalLM"], **TINY})
+    assert for_export(config).architecture == "DeepseekV32ForCausalLM"
+    assert for_export(dataclasses.replace(config, index_topk=0)).architecture == "DeepseekV3ForCausalLM"
