@@ -23,6 +23,7 @@ FAMILIES: tuple[Family, ...] = (
     deepseek.FAMILY,
     deepseek.V2_FAMILY,
     deepseek_v32.FAMILY,
+    deepseek_v32.GLM_FAMILY,
     qwen.QWEN2_FAMILY,
     qwen.QWEN3_FAMILY,
     qwen.QWEN3_MOE_FAMILY,

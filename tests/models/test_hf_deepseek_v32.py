@@ -1,16 +1,16 @@
-"""Hugging Face DeepSeek-V3.2 <-> longctx on one device: a tiny random DeepseekV32ForCausalLM whose rows are longer
-than index_topk (so each query attends its indexer's selection) gives transformers' logits at 1e-4 when imported,
-and exported back its tensors and logits; the indexer's selection matters (a larger index_topk changes the logits).
-A config.json we cannot represent is named."""
+"""Hugging Face DeepSeek-V3.2 and GLM-5 <-> longctx on one device: a tiny random DeepseekV32ForCausalLM /
+GlmMoeDsaForCausalLM whose rows are longer than index_topk (so each query attends its indexer's selection) gives
+transformers' logits at 1e-4 when imported, and exported back its tensors and logits; the indexer's selection
+matters (a larger index_topk changes the logits). A config.json we cannot represent is named."""
 
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
-from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
-from models.hf.deepseek_v32 import config_from_hf, config_to_hf
+from models.hf.deepseek_v32 import config_from_hf, config_to_hf, glm_config_from_hf
 from models.hf.families import for_export
 from tests.models.hf_reference import assert_round_trip, hf_logits, our_logits, save_random, tokens
 
@@ -41,13 +41,18 @@ TINY = dict(
 )
 
 
-def test_import_and_export_match_transformers(tmp_path):
+KINDS = {"deepseek-v3.2": (DeepseekV32Config, DeepseekV32ForCausalLM), "glm-5": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_and_export_match_transformers(tmp_path, kind):
+    config_class, model_class = KINDS[kind]
     torch.manual_seed(0)
-    reference = save_random(DeepseekV32ForCausalLM(DeepseekV32Config(**TINY)), tmp_path / "hf", "30KB")
+    reference = save_random(model_class(config_class(**TINY)), tmp_path / "hf", "30KB")
     model = assert_round_trip(reference, tmp_path / "hf", tmp_path / "out")
     config = model.config
     assert (config.index_topk, config.index_heads, config.index_head_dim) == (6, 4, 16)
-    assert not config.index_rope_interleaved
+    assert config.index_rope_interleaved == (kind == "glm-5")
     ids = tokens()  # 24 tokens a row: 4 x index_topk
     reference.config.index_topk = 24
     for layer in reference.model.layers:
@@ -58,16 +63,23 @@ def test_import_and_export_match_transformers(tmp_path):
 def test_config_round_trips():
     config = config_from_hf({"architectures": ["DeepseekV32ForCausalLM"], **TINY})
     assert config_from_hf({"architectures": ["DeepseekV32ForCausalLM"], **config_to_hf(config)}) == config
-    with pytest.raises(ValueError, match=r"index_rope_interleaved=True; DeepSeek-V3\.2 routes with 'sigmoid'"):
+    with pytest.raises(
+        ValueError,
+        match="index_rope_interleaved=True; it routes with 'sigmoid' and has an indexer \\(index_topk > 0\\) with half",
+    ):
         config_to_hf(dataclasses.replace(config, index_rope_interleaved=True))
 
 
-def test_full_rank_query_is_named():
+def test_unsupported_configs_are_named():
     with pytest.raises(ValueError, match="q_lora_rank=None; its indexer reads the query latent"):
         config_from_hf({**TINY, "q_lora_rank": None})
+    with pytest.raises(ValueError, match=r"makes layers \[1\] 'shared' .*; only every layer 'full' is supported"):
+        glm_config_from_hf({**TINY, "index_topk_freq": 2, "index_skip_topk_offset": 1})
 
 
 def test_export_architecture_follows_the_indexer():
     config = config_from_hf({"architectures": ["DeepseekV32ForCausalLM"], **TINY})
     assert for_export(config).architecture == "DeepseekV32ForCausalLM"
+    glm = glm_config_from_hf({"architectures": ["GlmMoeDsaForCausalLM"], **TINY})
+    assert for_export(glm).architecture == "GlmMoeDsaForCausalLM"
     assert for_export(dataclasses.replace(config, index_topk=0)).architecture == "DeepseekV3ForCausalLM"
