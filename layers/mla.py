@@ -110,21 +110,20 @@ class MLA(nnx.Module):
             )
         )
         kv_b = self.kv_b[...].astype(self.dtype)
-        kv = rotated.features(0, self.kv_lora_rank).project("btr,rhd->bthd", kv_b, "h")
-        k_nope = checkpoint_name(kv[..., : self.qk_nope_head_dim], "k_proj")
-        value = checkpoint_name(kv[..., self.qk_nope_head_dim :], "v_proj")
-        k_pe = rotated.features(self.kv_lora_rank).per_head(q.shape[2])
         q_pe = rope(q[..., self.qk_nope_head_dim :])
         query = jnp.concatenate([q[..., : self.qk_nope_head_dim], q_pe], axis=-1)
-        key = jnp.concatenate([k_nope, k_pe], axis=-1)
         latent = parallel.Latent(rotated, kv_b, self.qk_nope_head_dim)
         if self.indexer is not None and x.shape[1] > self.index_topk:
             index = self.indexer(query_in, x, positions, inv_freq, self.rope_factor)
             out = parallel.sparse_attention(
-                query, key, value, index=index, count=self.index_topk, segment_ids=segment_ids, scale=self.scale,
-                latent=latent,
-            )  # fmt: skip
-        else:  # every visible key: dense attention
+                query, latent, index=index, count=self.index_topk, segment_ids=segment_ids, scale=self.scale
+            )
+        else:  # every visible key (a row no longer than index_topk selects them all): dense attention
+            kv = rotated.features(0, self.kv_lora_rank).project("btr,rhd->bthd", kv_b, "h")
+            k_nope = checkpoint_name(kv[..., : self.qk_nope_head_dim], "k_proj")
+            value = checkpoint_name(kv[..., self.qk_nope_head_dim :], "v_proj")
+            k_pe = rotated.features(self.kv_lora_rank).per_head(q.shape[2])
+            key = jnp.concatenate([k_nope, k_pe], axis=-1)
             out = parallel.attention(
                 query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale, latent=latent
             )

@@ -49,8 +49,9 @@ def index_scores(q, weights, k):
 
 def top_k(q, weights, k, q_tokens: Tokens, kv_tokens: Tokens, *, count: int, options: Options) -> Selection:
     """q [batch, tq, heads, d], weights [batch, tq, heads], k [batch, tk, d]; both sides' tokens given -> the
-    Selection of each query's `count` (at most tk) best visible keys by index score. Not differentiable: the
-    indexer's loss recomputes the scores of the selection."""
+    Selection of each query's `count` (at most tk) best visible keys by index score, of equal scores the earliest
+    (by global index, so any layout of the keys selects the same ones). Not differentiable: the indexer's loss
+    recomputes the scores of the selection."""
     q, weights, k = (lax.stop_gradient(x) for x in (q, weights, k))
     batch, tq, tk = q.shape[0], q.shape[1], k.shape[1]
     if not 0 < count <= tk:
@@ -71,9 +72,10 @@ def top_k(q, weights, k, q_tokens: Tokens, kv_tokens: Tokens, *, count: int, opt
             s = index_scores(q_blk, w_blk, take_block(k, b, j, bk))
             visible = pair_mask(q_side, side_block(kv_tokens, b, j, bk), causal=options.causal, window=options.window)
             scores = jnp.concatenate([best.scores, jnp.where(visible, s, -jnp.inf)], -1)
-            positions = jnp.broadcast_to(j * bk + jnp.arange(bk, dtype=jnp.int32), (bq, bk))
-            scores, at = lax.top_k(scores, count)
-            return Selection(jnp.take_along_axis(jnp.concatenate([best.indices, positions], -1), at, -1), scores)
+            positions = jnp.concatenate([best.indices, jnp.broadcast_to(j * bk + jnp.arange(bk), (bq, bk))], -1)
+            # best first, equal scores by global index: the same keys whatever the layout's order
+            negated, _, positions = lax.sort((-scores, kv_tokens.index[positions], positions), num_keys=2)
+            return Selection(positions[:, :count], -negated[:, :count])
 
         def step(j, best):
             return lax.cond(kinds[b, i, j] > SKIP, merge, lambda _, best: best, j, best)

@@ -1,15 +1,23 @@
 """What the Hugging Face tests share: tiny random transformers models whose mapping errors show in the logits,
-tokens, both sides' logits, a checkpoint's tensors, and the import / export round trip at 1e-4 (float32)."""
+tokens, both sides' logits, a checkpoint's tensors, the import / export round trip at 1e-4 (float32), and the logits
+with rows split over context devices."""
 
+import copy
+import dataclasses
 import pathlib
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
+from jax.sharding import Mesh
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
 from models.hf import load_pretrained, save_pretrained
+from parallel.plan import Plan, use_plan
+from parallel.reorder import from_balanced, to_balanced
 
 
 def save_random(model, path, max_shard_size="10MB"):
@@ -83,3 +91,29 @@ def assert_case_round_trips(tmp_path: pathlib.Path, config_class, model_class, f
     save_random(reference, tmp_path / "hf", max_shard_size="30KB")
     model = assert_round_trip(reference, tmp_path / "hf", tmp_path / "out")
     assert {key: getattr(model.config, key) for key in expected} == expected
+
+
+def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True) -> None:
+    """`model`'s logits with rows split over 8 context devices in `plan` (one long document; two packed) equal
+    transformers' `reference` (run in float64 when `float64`) for each document alone, to 1e-4."""
+    length, shards, first = 48, 8, 29  # the packed row: a document of 29 tokens, then one of 19
+    ids = np.random.default_rng(0).integers(0, SIZES["vocab_size"], size=(2, length)).astype(np.int32)
+    positions = np.stack([np.arange(length), np.concatenate([np.arange(first), np.arange(length - first)])])
+    segments = np.stack([np.ones(length), np.repeat([1, 2], [first, length - first])]).astype(np.int32)
+    in_float64 = copy.deepcopy(reference).double() if float64 else reference  # its float32 is as far as ours
+    exact = lambda x: hf_logits(in_float64, x)
+    documents = np.concatenate([exact(ids[1:, :first]), exact(ids[1:, first:])], axis=1)  # each document alone
+    expected = np.concatenate([exact(ids[:1]), documents])
+
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
+    graph, state = nnx.split(model)
+    balanced = lambda x: to_balanced(jnp.asarray(x), shards, layout="dual_chunk")
+
+    def logits(state, ids, positions, segments):
+        out = nnx.merge(graph, state)(balanced(ids), balanced(positions), balanced(segments))
+        return from_balanced(out, shards, layout="dual_chunk")
+
+    with jax.set_mesh(mesh), use_plan(dataclasses.replace(plan, mesh=mesh)):
+        actual = np.asarray(jax.jit(logits)(state, ids, positions, segments))
+    assert np.abs(expected).max() > 1.0
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)

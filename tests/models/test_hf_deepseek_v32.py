@@ -10,9 +10,18 @@ import pytest
 import torch
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 
+from models.hf import load_pretrained
 from models.hf.deepseek_v32 import config_from_hf, config_to_hf, glm_config_from_hf
 from models.hf.families import for_export
-from tests.models.hf_reference import assert_round_trip, hf_logits, our_logits, save_random, tokens
+from parallel.plan import Plan
+from tests.models.hf_reference import (
+    assert_round_trip,
+    assert_split_rows_match,
+    hf_logits,
+    our_logits,
+    save_random,
+    tokens,
+)
 
 TINY = dict(
     vocab_size=128,
@@ -34,7 +43,7 @@ TINY = dict(
     n_group=1,
     topk_group=1,
     index_topk=6,
-    index_n_heads=4,
+    index_n_heads=16,  # enough that no key scores exactly 0 (relu) for every head: no ties transformers breaks its way
     index_head_dim=16,
     initializer_range=0.1,
     rms_norm_eps=1e-6,
@@ -51,13 +60,23 @@ def test_import_and_export_match_transformers(tmp_path, kind):
     reference = save_random(model_class(config_class(**TINY)), tmp_path / "hf", "30KB")
     model = assert_round_trip(reference, tmp_path / "hf", tmp_path / "out")
     config = model.config
-    assert (config.index_topk, config.index_heads, config.index_head_dim) == (6, 4, 16)
+    assert (config.index_topk, config.index_heads, config.index_head_dim) == (6, 16, 16)
     assert config.index_rope_interleaved == (kind == "glm-5")
     ids = tokens()  # 24 tokens a row: 4 x index_topk
     reference.config.index_topk = 24
     for layer in reference.model.layers:
         layer.self_attn.indexer.index_topk = 24
     assert np.abs(hf_logits(reference, ids) - our_logits(model, ids)).max() > 1e-2  # the selection matters
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_split_over_8_context_devices_give_transformers_logits(tmp_path, kind):
+    """Ring 8, dual_chunk: one long document and a packed row, each document longer than index_topk."""
+    config_class, model_class = KINDS[kind]
+    torch.manual_seed(0)
+    reference = save_random(model_class(config_class(**TINY)), tmp_path)
+    plan = Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8)
+    assert_split_rows_match(reference, load_pretrained(tmp_path), plan, float64=False)  # grouped experts: float32
 
 
 def test_config_round_trips():

@@ -4,25 +4,18 @@ directions through shards, and with its row split over 8 context devices (ring, 
 on packed rows (each document's logits as transformers gives them for that document alone); the text model of a
 Qwen3_5ForConditionalGeneration imports with its vision tower and multi-token-prediction tensors skipped."""
 
-import copy
-import dataclasses
-
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from jax.sharding import Mesh
 from safetensors.numpy import load_file, save_file
 from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
 
 from layers.rope import RopeScalingConfig
 from models.config import FULL, LINEAR
 from models.hf import load_pretrained
-from parallel.plan import Plan, use_plan
-from parallel.reorder import from_balanced, to_balanced
-from tests.models.hf_reference import SIZES, assert_case_round_trips, hf_logits, save_random
+from parallel.plan import Plan
+from tests.models.hf_reference import SIZES, assert_case_round_trips, assert_split_rows_match, hf_logits, save_random
 
 TEXT = dict(
     head_dim=16,
@@ -68,32 +61,6 @@ def tiny(tmp_path_factory):
 
 def test_rows_split_over_8_context_devices_give_transformers_logits(tiny):
     assert_split_rows_match(*tiny, Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8))
-
-
-def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True) -> None:
-    """`model`'s logits with rows split over 8 context devices in `plan` (one long document; two packed) equal
-    transformers' `reference` (run in float64 when `float64`) for each document alone, to 1e-4."""
-    length, shards, first = 48, 8, 29  # the packed row: a document of 29 tokens, then one of 19
-    ids = np.random.default_rng(0).integers(0, SIZES["vocab_size"], size=(2, length)).astype(np.int32)
-    positions = np.stack([np.arange(length), np.concatenate([np.arange(first), np.arange(length - first)])])
-    segments = np.stack([np.ones(length), np.repeat([1, 2], [first, length - first])]).astype(np.int32)
-    in_float64 = copy.deepcopy(reference).double() if float64 else reference  # its float32 is as far as ours
-    exact = lambda x: hf_logits(in_float64, x)
-    documents = np.concatenate([exact(ids[1:, :first]), exact(ids[1:, first:])], axis=1)  # each document alone
-    expected = np.concatenate([exact(ids[:1]), documents])
-
-    mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
-    graph, state = nnx.split(model)
-    balanced = lambda x: to_balanced(jnp.asarray(x), shards, layout="dual_chunk")
-
-    def logits(state, ids, positions, segments):
-        out = nnx.merge(graph, state)(balanced(ids), balanced(positions), balanced(segments))
-        return from_balanced(out, shards, layout="dual_chunk")
-
-    with jax.set_mesh(mesh), use_plan(dataclasses.replace(plan, mesh=mesh)):
-        actual = np.asarray(jax.jit(logits)(state, ids, positions, segments))
-    assert np.abs(expected).max() > 1.0
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)
 
 
 def test_conditional_generation_imports_its_text_model(tmp_path, caplog):

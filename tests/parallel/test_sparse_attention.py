@@ -66,6 +66,29 @@ def test_top_k_matches_dense_top_k(layout):
         assert all(len(set(row[seen])) == seen.sum() for row, seen in zip(indices, valid, strict=True))  # no key twice
 
 
+def test_equal_scores_select_the_earliest_keys_in_any_layout():
+    """Scores with many ties (small integers): the selection is the same set of global keys whether the row is in
+    original order or in a dual-chunk order, and the earliest keys of a tie."""
+    rng = np.random.default_rng(5)
+    q, k = (jnp.asarray(rng.integers(0, 2, size=shape), jnp.float32) for shape in ((1, LENGTH, 2, 4), (1, LENGTH, 4)))
+    weights = jnp.ones((1, LENGTH, 2), jnp.float32)
+    _, order, _ = layouts()["one-document-reordered"]
+    chosen = {}
+    for name, index in (("original", np.arange(LENGTH)), ("reordered", order)):
+        tokens = Tokens(jnp.ones((1, LENGTH), jnp.int32), jnp.asarray(index, jnp.int32))
+        laid = lambda x, index=index: x[:, index]
+        options = Options(causal=True, block_q=8, block_kv=8)
+        selection = top_k(laid(q), laid(weights), laid(k), tokens, tokens, count=5, options=options)
+        globals_ = np.where(selection.valid, index[np.asarray(selection.indices)], -1)[0]
+        chosen[name] = {int(query): sorted(row) for query, row in zip(index, globals_.tolist(), strict=True)}
+    assert chosen["original"] == chosen["reordered"]
+    dense = np.asarray(index_scores(q, weights, k))[0]
+    for query, keys in chosen["original"].items():
+        seen = dense[query, : query + 1]
+        ranked = sorted(range(query + 1), key=lambda key: (-seen[key], key))[:5]  # best first, ties by index
+        assert {key for key in keys if key >= 0} == set(ranked), query
+
+
 def test_top_k_refuses_a_count_beyond_the_keys():
     q, weights, k = index_inputs()
     with pytest.raises(ValueError, match="top-k count 41: give 1 to the 40 keys"):
