@@ -71,22 +71,46 @@ def _attention_coefficient(config) -> float:
     return 3.0 * config.num_heads * head_dims
 
 
+def _capped_squares(lengths: np.ndarray, keys: int) -> float:
+    """The (query, key) pairs of causal documents of `lengths` when each query sees at most `keys` keys, as squares
+    (2 x pairs): len^2 up to `keys`, 2 len keys - keys^2 beyond."""
+    return float(np.sum(np.where(lengths <= keys, lengths**2, 2 * lengths * keys - float(keys) ** 2)))
+
+
 def _attention_flops(config, lengths: np.ndarray) -> float:
     """Training FLOPs of causal attention within documents of `lengths` in every layer: len^2 squares in full
-    layers; in sliding ones (window W) the pairs a window keeps, as squares: len^2 up to W, 2 len W - W^2 beyond."""
+    layers; in sliding ones (window W) the pairs a window keeps; with sparse attention (index_topk k) the k keys
+    each query attends, plus the indexer's scores of every visible pair (forward only: 2 FLOPs per multiply-add over
+    its heads x head dim; its selection has no gradient)."""
     lengths = np.asarray(lengths, np.float64)
+    if config.index_topk:
+        indexer = config.index_heads * config.index_head_dim * float(np.sum(lengths**2))
+        attended = _attention_coefficient(config) * _capped_squares(lengths, config.index_topk)
+        return config.num_layers * (attended + indexer)
     sliding = config.layer_kinds.count(SLIDING)
-    window = config.sliding_window
-    windowed = np.where(lengths <= window, lengths**2, 2 * lengths * window - float(window) ** 2)
-    squares = (config.num_layers - sliding) * np.sum(lengths**2) + sliding * np.sum(windowed)
-    return _attention_coefficient(config) * float(squares)
+    squares = (config.num_layers - sliding) * np.sum(lengths**2)
+    return _attention_coefficient(config) * float(squares + sliding * _capped_squares(lengths, config.sliding_window))
+
+
+def _indexer_params(config) -> int:
+    """The sparse-attention indexer's projection parameters per layer (wq_b, wk, weights; 0 without one)."""
+    if not config.index_topk:
+        return 0
+    return config.q_lora_rank * config.index_heads * config.index_head_dim + config.embed_dim * (
+        config.index_head_dim + config.index_heads
+    )
+
+
+def _projection_flops(config) -> float:
+    """Training FLOPs per token of the matmuls: 6 x matmul params, and 2 x the indexer's (forward only)."""
+    return 6.0 * matmul_params(config) + 2.0 * config.num_layers * _indexer_params(config)
 
 
 def flops_per_token(config, doc_len: int) -> float:
-    """Training FLOPs per token of rows made of `doc_len`-token documents: 6 x matmul params + causal attention
-    within each document (half of doc_len^2 per document, as MaxText and torchtitan count it; a sliding layer's
-    window caps it)."""
-    return 6.0 * matmul_params(config) + _attention_flops(config, np.array([doc_len])) / doc_len
+    """Training FLOPs per token of rows made of `doc_len`-token documents: the matmuls + causal attention within
+    each document (half of doc_len^2 per document, as MaxText and torchtitan count it; a sliding layer's window or
+    sparse attention's index_topk caps it)."""
+    return _projection_flops(config) + _attention_flops(config, np.array([doc_len])) / doc_len
 
 
 def document_lengths(segment_ids) -> np.ndarray:
@@ -99,11 +123,11 @@ def document_lengths(segment_ids) -> np.ndarray:
 
 
 def batch_flops(config, segment_ids) -> float:
-    """Training FLOPs of a batch given its [batch, length] segment ids: 6 x matmul params per position (padding
-    included: the matmuls run on it) + causal attention within each document (a row's documents never attend to
-    each other), the sum over documents of len^2 at flops_per_token's rate (a sliding layer's window caps it)."""
+    """Training FLOPs of a batch given its [batch, length] segment ids: the matmuls per position (padding included:
+    they run on it) + causal attention within each document (a row's documents never attend to each other), the sum
+    over documents of len^2 at flops_per_token's rate (a sliding layer's window or index_topk caps it)."""
     attention = _attention_flops(config, document_lengths(segment_ids).ravel())
-    return 6.0 * matmul_params(config) * np.size(segment_ids) + attention
+    return _projection_flops(config) * np.size(segment_ids) + attention
 
 
 class Peak:

@@ -22,6 +22,8 @@ from tests.models.hf_reference import (
     save_random,
     tokens,
 )
+from tests.train.tiny_run import REPO
+from train.config import load_config
 
 TINY = dict(
     vocab_size=128,
@@ -77,6 +79,18 @@ def test_rows_split_over_8_context_devices_give_transformers_logits(tmp_path, ki
     reference = save_random(model_class(config_class(**TINY)), tmp_path)
     plan = Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8)
     assert_split_rows_match(reference, load_pretrained(tmp_path), plan, float64=False)  # grouped experts: float32
+
+
+@pytest.mark.parametrize("name, kind", [("deepseek-v3.2", "deepseek-v3.2"), ("glm-5", "glm-5")])
+def test_published_configs_are_transformers(name, kind):
+    """configs/models: transformers' config class defaults (DeepSeek-V3.2 with V3's YaRN rope, as it ships)."""
+    ours = load_config(REPO / "configs" / "models" / f"{name}.yaml").model
+    rope = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0, original_max_position_embeddings=4096)
+    rope |= dict(beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    fields = dict(rope_parameters=rope) if kind == "deepseek-v3.2" else {}
+    hf = KINDS[kind][0](**fields).to_dict() | {"architectures": [KINDS[kind][1].__name__]}
+    imported = (config_from_hf if kind == "deepseek-v3.2" else glm_config_from_hf)(hf)
+    assert dataclasses.replace(imported, param_dtype="bfloat16", max_position_embeddings=0) == ours
 
 
 def test_config_round_trips():
