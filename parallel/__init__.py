@@ -1,9 +1,9 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
 tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.lookup` (the
 embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.sparse_attention` (with the indexer's
-`parallel.Index`), `parallel.shard` (logical names),
-`parallel.residual`, `parallel.gather`, `parallel.project_scatter`, `parallel.routed_experts` and, for Gated
-DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
+`parallel.Index`), `parallel.shard` (logical names), `parallel.residual`, `parallel.gather`,
+`parallel.project_scatter`, `parallel.routed_experts` and, for Gated DeltaNet, `parallel.causal_conv` and
+`parallel.gated_delta` only.
 """
 
 from __future__ import annotations
