@@ -1,9 +1,9 @@
 """DeepSeek sparse attention (parallel/sparse.py) against dense latent attention, in the same run: one layer's forward +
-backward on one CPU device (DeepSeek-V3.2's index_topk 2048, latent 512 + 64, index keys 128 wide with 64 index
-heads; 16 query heads to fit a CPU), timed at the shorter lengths and compiled at all, with the compiled temporaries
-of each and their slope with length (log-log: 1 is T, 2 is T^2); then what a split over 8 context devices gathers
-per device and layer at the longest length (from the compiled all-gathers) against what a ring rotating the latent
-moves.
+backward (sparse: with the indexer's loss and its gradient, as training runs it) on one CPU device (DeepSeek-V3.2's
+index_topk 2048, latent 512 + 64, index keys 128 wide with 64 index heads; 16 query heads to fit a CPU), timed at the
+shorter lengths and compiled at all, with the compiled temporaries of each and their slope with length (log-log: 1 is
+T, 2 is T^2); then what a split over 8 context devices gathers per device and layer at the longest length (from the
+compiled all-gathers) against what a ring rotating the latent moves.
 
     PYTHONPATH=. python bench/dsa.py           # 8K run, 32K and 128K compiled only (about 12 minutes on 2 cores)
     PYTHONPATH=. python bench/dsa.py --quick   # 4K and 8K run, index_topk 512 (about 6 minutes)
@@ -46,18 +46,19 @@ def arguments(length: int):
 
 
 def layer(sparse: bool, count: int):
-    """grad of sum(out * w) in q, the rows and kv_b for one attention layer, sparse or dense."""
+    """grad of sum(out * w) in q, the rows and kv_b for one attention layer, sparse (plus its indexer's loss, whose
+    gradient reaches the indexer's queries, keys and weights) or dense."""
 
     def loss(q, rows, kv_b, index_q, index_k, weights, w):
         latent = parallel.Latent(Tokens(rows[None]), kv_b, NOPE)
         if sparse:
             index = parallel.Index(index_q, index_k, weights)
-            out = parallel.sparse_attention(q, latent, index=index, count=count)
-        else:
-            out = parallel.attention(q, *expand(kv_b, rows, NOPE), causal=True, latent=latent)
+            out, indexer_loss = parallel.sparse_attention(q, latent, index=index, count=count)
+            return jnp.sum(out * w) + jnp.sum(indexer_loss)
+        out = parallel.attention(q, *expand(kv_b, rows, NOPE), causal=True, latent=latent)
         return jnp.sum(out * w)
 
-    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4, 5)))
 
 
 def measure(length: int, count: int, run: bool) -> dict:
@@ -85,7 +86,7 @@ def gathered_bytes(length: int, count: int, shards: int) -> int:
 
     def forward(q, rows, kv_b, index_q, index_k, weights, w):
         latent = parallel.Latent(Tokens(rows[None]), kv_b, NOPE)
-        return parallel.sparse_attention(q, latent, index=parallel.Index(index_q, index_k, weights), count=count)
+        return parallel.sparse_attention(q, latent, index=parallel.Index(index_q, index_k, weights), count=count)[0]
 
     with jax.set_mesh(mesh), use_plan(Plan(strategy="ring", layout="dual_chunk", mesh=mesh)):
         text = jax.jit(forward).lower(*args).as_text()

@@ -1,6 +1,8 @@
 """DeepSeek-V2/V3 multi-head latent attention (Hugging Face `DeepseekV3Attention`) over `parallel.attention`; with
 `index_topk`, DeepSeek-V3.2's sparse form (`DeepseekV32Attention`): the indexer (layers/indexer.py) picks each query's
-index_topk keys for `parallel.sparse_attention` on rows longer than that.
+index_topk keys for `parallel.sparse_attention` on rows longer than that, and learns from its loss there (`attend`);
+with `index_warmup`, attention stays dense and the indexer learns against it (`parallel.indexer_warmup`). The
+indexer reads its inputs without gradient: its loss trains it alone.
 Hugging Face q_a_proj, q_a_layernorm, q_b_proj, q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj map to
 q_a, q_a_norm, q_b, q, kv_a, kv_a_norm, kv_b, o; a Linear weight [out, in] is our kernel [in, ...out] transposed.
 q_a_norm / kv_a_norm use eps 1e-6 (`norm_eps`' default) whatever the model's norm eps, as DeepSeek's and
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import parallel
@@ -40,6 +43,7 @@ class MLA(nnx.Module):
         index_heads: int = 0,
         index_head_dim: int = 0,
         index_rope_interleaved: bool = False,
+        index_warmup: bool = False,
         param_dtype=jnp.float32,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -79,16 +83,23 @@ class MLA(nnx.Module):
             ("heads", "head_dim", "embed"),
             param_dtype,
         )
-        self.index_topk = index_topk
+        self.index_topk, self.index_warmup = index_topk, index_warmup
         index = dict(heads=index_heads, head_dim=index_head_dim, rope_dim=qk_rope_head_dim)
         index |= dict(interleaved=index_rope_interleaved, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
         self.indexer = Indexer(embed_dim, q_lora_rank, **index) if index_topk else None
 
     def __call__(self, x, positions, segment_ids=None):
         """x: [batch, length, embed] in the residual stream's layout, positions/segment_ids: [batch, length] ->
-        [batch, length, embed] in x's layout. Under scattered tensor parallelism the down-projections and their
-        norms run on the scattered tokens and only their outputs (q_lora + kv_lora + rope features; the hidden
-        size instead of q_lora without query low-rank) are gathered."""
+        [batch, length, embed] in x's layout (`attend` without the indexer's loss)."""
+        return self.attend(x, positions, segment_ids)[0]
+
+    def attend(self, x, positions, segment_ids=None):
+        """x: [batch, length, embed] in the residual stream's layout, positions/segment_ids: [batch, length] ->
+        ([batch, length, embed] in x's layout, the indexer's report: {} where it does not run, else {"indexer_loss":
+        its loss summed over each row's queries, "indexer_tokens": their number}, each [batch] float32). Under
+        scattered tensor parallelism the down-projections and their norms run on the scattered tokens and only their
+        outputs (q_lora + kv_lora + rope features; the hidden size instead of q_lora without query low-rank) are
+        gathered."""
         x = x.astype(self.dtype)
         if self.q_lora_rank > 0:
             query_in = self.q_a_norm(checkpoint_name(x @ self.q_a[...].astype(self.dtype), "q_a_proj"))
@@ -113,20 +124,26 @@ class MLA(nnx.Module):
         q_pe = rope(q[..., self.qk_nope_head_dim :])
         query = jnp.concatenate([q[..., : self.qk_nope_head_dim], q_pe], axis=-1)
         latent = parallel.Latent(rotated, kv_b, self.qk_nope_head_dim)
-        if self.indexer is not None and x.shape[1] > self.index_topk:
-            index = self.indexer(query_in, x, positions, inv_freq, self.rope_factor)
-            out = parallel.sparse_attention(
-                query, latent, index=index, count=self.index_topk, segment_ids=segment_ids, scale=self.scale
-            )
+        index = None
+        if self.indexer is not None and (self.index_warmup or x.shape[1] > self.index_topk):
+            detached = lax.stop_gradient  # the indexer learns from its own loss only
+            index = self.indexer(detached(query_in), detached(x), positions, inv_freq, self.rope_factor)
+        kw = dict(segment_ids=segment_ids, scale=self.scale)
+        if index is not None and not self.index_warmup:
+            out, kl = parallel.sparse_attention(query, latent, index=index, count=self.index_topk, **kw)
         else:  # every visible key (a row no longer than index_topk selects them all): dense attention
             kv = rotated.features(0, self.kv_lora_rank).project("btr,rhd->bthd", kv_b, "h")
             k_nope = checkpoint_name(kv[..., : self.qk_nope_head_dim], "k_proj")
             value = checkpoint_name(kv[..., self.qk_nope_head_dim :], "v_proj")
             k_pe = rotated.features(self.kv_lora_rank).per_head(q.shape[2])
             key = jnp.concatenate([k_nope, k_pe], axis=-1)
-            out = parallel.attention(
-                query, key, value, segment_ids=segment_ids, causal=True, scale=self.scale, latent=latent
-            )
-        return checkpoint_name(
-            parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h"), "o_proj"
-        )
+            out = parallel.attention(query, key, value, causal=True, latent=latent, **kw)
+            kl = None if index is None else parallel.indexer_warmup(query, latent, index=index, **kw)
+        out = parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h")
+        return checkpoint_name(out, "o_proj"), {} if kl is None else _indexer_report(kl, segment_ids)
+
+
+def _indexer_report(kl, segment_ids) -> dict:
+    """The indexer's loss per query [batch, length] -> its sum and the number of queries (not padding) per row."""
+    queries = jnp.ones(kl.shape) if segment_ids is None else (segment_ids > 0).astype(jnp.float32)
+    return {"indexer_loss": kl.sum(1), "indexer_tokens": queries.sum(1)}

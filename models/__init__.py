@@ -1,4 +1,5 @@
-"""Model registry: `model.family` in the config names the class that builds the model."""
+"""Model registry: `model.family` in the config names the class that builds the model; `frozen` names the
+parameters a model's config keeps out of training."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from flax import nnx
 
 from models.config import ComputeConfig, ModelConfig
 from models.deepseek import DeepSeek
+from models.deepseek import frozen as frozen
 from models.gemma3 import Gemma3
 from models.llama import Llama
 from models.mixtral import Mixtral

@@ -56,7 +56,11 @@ class Block(nnx.Module):
     def __call__(self, x, positions, segment_ids):
         """x: [batch, length, embed], positions/segment_ids: [batch, length] -> (x, None) from a dense block, (x,
         the expert statistics of layers.moe.MoE) from an MoE block."""
-        x = x + self.attn(self.attn_norm(x), positions, segment_ids)
+        return self.feed_forward(x + self.attn(self.attn_norm(x), positions, segment_ids))
+
+    def feed_forward(self, x):
+        """x [batch, length, embed] plus its feed-forward -> (x, None) from a dense SwiGLU, (x, the expert statistics
+        of layers.moe.MoE) from experts."""
         if self.moe is None:
             return parallel.residual(x + self.mlp(self.mlp_norm(x))), None
         y, stats = self.moe(self.mlp_norm(x))

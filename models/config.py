@@ -64,6 +64,10 @@ class ModelConfig:
     index_heads: int = 0  # index_n_heads: the indexer's query heads
     index_head_dim: int = 0  # index_head_dim: the indexer's query / key width (its first qk_rope_head_dim rotated)
     index_rope_interleaved: bool = False  # the indexer's rotary pairs: half-split (V3.2) or interleaved (GLM-5)
+    # how the indexer trains (INDEXER_TRAINING): sparse (its KL loss over its selection, beside the model), frozen (not
+    # at all; the loss is logged), warmup (dense attention; the model frozen, the indexer learns the KL against it)
+    indexer_training: str = "sparse"
+    indexer_loss_coef: float = 1.0  # the indexer's KL loss weight (its gradient reaches the indexer alone)
     # Mixture of experts (families in EXPERT_FAMILIES); num_experts 0 = dense MLP everywhere
     num_experts: int = 0  # n_routed_experts; num_experts (Qwen3-MoE); num_local_experts (Mixtral)
     experts_per_token: int = 0  # num_experts_per_tok: routed experts each token goes to
@@ -180,9 +184,27 @@ def check_model(m: ModelConfig) -> None:
             f"model.index_topk={m.index_topk}: sparse attention's indexer reads latent attention's query latent; "
             f"model.family={m.family} has none: set model.index_topk=0",
         )
+    _check_indexer_training(m)
     _check_experts(m)
 
 
+def _check_indexer_training(m: ModelConfig) -> None:
+    """How the indexer trains: a known way, a weight >= 0, and only a model with an indexer trains one otherwise than
+    the default."""
+    require(
+        m.indexer_training in INDEXER_TRAINING,
+        f"model.indexer_training={m.indexer_training!r}: choose one of {', '.join(INDEXER_TRAINING)}",
+    )
+    require(m.indexer_loss_coef >= 0, f"model.indexer_loss_coef={m.indexer_loss_coef} must be >= 0")
+    require(
+        m.index_topk or m.indexer_training == "sparse",
+        f"model.indexer_training={m.indexer_training!r} trains sparse attention's indexer; this model has none "
+        f"(model.index_topk=0): leave it at sparse",
+    )
+
+
+# how sparse attention's indexer may train (model.indexer_training; models/deepseek.py's `frozen`)
+INDEXER_TRAINING = ("sparse", "frozen", "warmup")
 # families whose blocks may be Gated DeltaNet (linear_attention) layers
 LINEAR_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
 # families whose decoder has mixture-of-experts blocks (models/mixture.py); the others' blocks are all dense

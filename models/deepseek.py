@@ -1,14 +1,19 @@
 """DeepSeek-V2/V3-like decoder: multi-head latent attention in every block; the first `first_dense_layers`
-blocks end in a dense SwiGLU, the others in a mixture of experts (models/mixture.py)."""
+blocks end in a dense SwiGLU, the others in a mixture of experts (models/mixture.py). With DeepSeek-V3.2's sparse
+attention each block also reports its indexer's loss (layers/mla.py), which the decoder adds to training's losses at
+`indexer_loss_coef`; `frozen` names the parameters `indexer_training` keeps as they are."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from flax import nnx
 
 from layers.mla import MLA
 from models import block
 from models.config import FULL, ModelConfig
 from models.mixture import MixtureDecoder
+
+INDEXER = "indexer"  # layers.mla.MLA's attribute holding its indexer
 
 
 def latent_attention(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MLA:
@@ -27,6 +32,7 @@ def latent_attention(config: ModelConfig, *, rngs: nnx.Rngs, **kw) -> MLA:
         index_heads=config.index_heads,
         index_head_dim=config.index_head_dim,
         index_rope_interleaved=config.index_rope_interleaved,
+        index_warmup=config.indexer_training == "warmup",
         rngs=rngs,
         **kw,
     )
@@ -40,8 +46,32 @@ class Block(block.Block):
         del kind  # check_model gives latent attention no sliding layers
         super().__init__(config, latent_attention(config, rngs=rngs, **kw), moe=moe, rngs=rngs, **kw)
 
+    def __call__(self, x, positions, segment_ids):
+        """x: [batch, length, embed], positions/segment_ids: [batch, length] -> (x, {the expert statistics of an MoE
+        block (layers.moe.MoE), the indexer's report where it runs (layers.mla.MLA.attend)})."""
+        attended, report = self.attn.attend(self.attn_norm(x), positions, segment_ids)
+        x, stats = self.feed_forward(x + attended)
+        return x, (stats or {}) | report
+
 
 class DeepSeek(MixtureDecoder):
     """`num_dense_layers` dense blocks, then `num_moe_layers` MoE blocks, of latent attention."""
 
     block = Block
+
+    def aux_losses(self, aux) -> dict:
+        """MixtureDecoder's, and {"indexer_loss": (indexer_loss_coef, the indexers' loss [], each layer's mean over
+        its queries, summed over the layers)} where the indexers ran (each learns from its own layer's term only)."""
+        losses = super().aux_losses(aux)
+        if "indexer_loss" in aux:
+            per_layer = aux["indexer_loss"].sum(1) / jnp.maximum(aux["indexer_tokens"].sum(1), 1.0)
+            losses["indexer_loss"] = (self.config.indexer_loss_coef, per_layer.sum())
+        return losses
+
+
+def frozen(config: ModelConfig, names: tuple[str, ...]) -> bool:
+    """Whether training keeps the parameter at path `names` as it is: the indexers' when model.indexer_training is
+    frozen, every other one in the warm-up."""
+    if config.indexer_training == "frozen":
+        return INDEXER in names
+    return config.indexer_training == "warmup" and INDEXER not in names

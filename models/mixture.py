@@ -19,6 +19,9 @@ from models.config import ComputeConfig, ModelConfig
 from models.decoder import Decoder
 from models.stack import make_layers, run_layers, stacked_blocks
 
+# the names of layers.moe.MoE's statistics in a decoder's aux
+EXPERT_STATISTICS = {"counts": "expert_counts", "dropped": "expert_dropped", "probabilities": "expert_probabilities"}
+
 
 class MixtureDecoder(Decoder):
     """`dense_layers` then `moe_layers` (each None when empty) between the shared embedding and head.
@@ -44,19 +47,16 @@ class MixtureDecoder(Decoder):
     def blocks(self, x, positions, segment_ids):
         """-> (x, aux {"expert_counts": [moe layers, batch, experts], "expert_dropped": [moe layers],
         "expert_probabilities": [moe layers, batch, experts]} float32, summed over each row's tokens (counts,
-        probabilities) or every token (dropped); empty without MoE layers)."""
-        aux = {}
-        policy = self.compute.remat_policy
-        if self.dense_layers is not None:
-            x, _ = run_layers(self.dense_layers, x, positions, segment_ids, remat_policy=policy)
-        if self.moe_layers is not None:
-            x, stats = run_layers(self.moe_layers, x, positions, segment_ids, remat_policy=policy)
-            aux = {
-                "expert_counts": stats["counts"],
-                "expert_dropped": stats["dropped"],
-                "expert_probabilities": stats["probabilities"],
-            }
-        return x, aux
+        probabilities) or every token (dropped); empty without MoE layers; and what else the blocks report, on a
+        leading axis of the layers reporting it)."""
+        policy, reports = self.compute.remat_policy, []
+        for layers in (self.dense_layers, self.moe_layers):
+            if layers is not None:
+                x, report = run_layers(layers, x, positions, segment_ids, remat_policy=policy)
+                reports.append(report or {})
+        names = sorted({name for report in reports for name in report})
+        aux = {name: jnp.concatenate([report[name] for report in reports if name in report]) for name in names}
+        return x, {EXPERT_STATISTICS.get(name, name): value for name, value in aux.items()}
 
     def aux_losses(self, aux) -> dict:
         """{"router_aux_loss": (router_aux_loss_coef, the load-balancing loss [] over router_aux_loss_scope's tokens)}

@@ -1,9 +1,9 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
 tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.lookup` (the
-embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.sparse_attention` (with the indexer's
-`parallel.Index`), `parallel.shard` (logical names), `parallel.residual`, `parallel.gather`,
-`parallel.project_scatter`, `parallel.routed_experts` and, for Gated DeltaNet, `parallel.causal_conv` and
-`parallel.gated_delta` only.
+embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.sparse_attention` and
+`parallel.indexer_warmup` (with the indexer's `parallel.Index`), `parallel.shard` (logical names),
+`parallel.residual`, `parallel.gather`, `parallel.project_scatter`, `parallel.routed_experts` and, for Gated
+DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from parallel.mesh import logical_spec
 from parallel.plan import current_plan
 from parallel.recurrent import causal_conv, gated_delta
 from parallel.reorder import LAYOUTS
-from parallel.sparse import Index, sparse_attention
+from parallel.sparse import Index, indexer_warmup, sparse_attention
 from parallel.strategies import ROTATES_LATENT, STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
@@ -31,6 +31,7 @@ __all__ = [
     "causal_conv",
     "gated_delta",
     "gather",
+    "indexer_warmup",
     "lookup",
     "project_scatter",
     "residual",

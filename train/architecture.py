@@ -13,8 +13,8 @@ from train.config import from_dict, load_config
 from train.config.imported import MODEL_YAML
 from train.errors import CheckpointError
 
-# what a fine-tune may change: the context it covers (rope scaling, positions), the parameters' dtype, and how
-# training updates the router's bias and weighs its load-balancing loss
+# what a fine-tune may change: the context it covers (rope scaling, positions), the parameters' dtype, how training
+# updates the router's bias and weighs its load-balancing loss, and how it trains the indexer
 FREE = (
     "rope_scaling",
     "context_length",
@@ -23,6 +23,8 @@ FREE = (
     "router_bias_rate",
     "router_aux_loss_coef",
     "router_aux_loss_scope",
+    "indexer_training",
+    "indexer_loss_coef",
 )
 
 

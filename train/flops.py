@@ -80,13 +80,19 @@ def _capped_squares(lengths: np.ndarray, keys: int) -> float:
 def _attention_flops(config, lengths: np.ndarray) -> float:
     """Training FLOPs of causal attention within documents of `lengths` in every layer: len^2 squares in full
     layers; in sliding ones (window W) the pairs a window keeps; with sparse attention (index_topk k) the k keys
-    each query attends, plus the indexer's scores of every visible pair (forward only: 2 FLOPs per multiply-add over
-    its heads x head dim; its selection has no gradient)."""
+    each query attends, plus the indexer's scores of every visible pair forward (2 FLOPs per multiply-add over its
+    heads x head dim; the selection has no gradient) and, when the indexer trains, its loss's backward over the
+    selected pairs. The dense warm-up runs dense attention forward only (the model is frozen) and the indexer's
+    scores of every pair forward and backward."""
     lengths = np.asarray(lengths, np.float64)
     if config.index_topk:
-        indexer = config.index_heads * config.index_head_dim * float(np.sum(lengths**2))
-        attended = _attention_coefficient(config) * _capped_squares(lengths, config.index_topk)
-        return config.num_layers * (attended + indexer)
+        scores = config.index_heads * config.index_head_dim
+        if config.indexer_training == "warmup":
+            return config.num_layers * (_attention_coefficient(config) / 3 + 3 * scores) * float(np.sum(lengths**2))
+        selected = _capped_squares(lengths, config.index_topk)
+        backward = 2 * scores * selected if config.indexer_training == "sparse" else 0.0
+        attended = _attention_coefficient(config) * selected
+        return config.num_layers * (attended + scores * float(np.sum(lengths**2)) + backward)
     sliding = config.layer_kinds.count(SLIDING)
     squares = (config.num_layers - sliding) * np.sum(lengths**2)
     return _attention_coefficient(config) * float(squares + sliding * _capped_squares(lengths, config.sliding_window))
@@ -102,8 +108,11 @@ def _indexer_params(config) -> int:
 
 
 def _projection_flops(config) -> float:
-    """Training FLOPs per token of the matmuls: 6 x matmul params, and 2 x the indexer's (forward only)."""
-    return 6.0 * matmul_params(config) + 2.0 * config.num_layers * _indexer_params(config)
+    """Training FLOPs per token of the matmuls: 6 x matmul params (2 x, forward only, in the indexer's dense warm-up,
+    which freezes them), and the indexer's 4 x when it trains (its inputs take no gradient), 2 x when frozen."""
+    model = 2.0 if config.indexer_training == "warmup" else 6.0
+    indexer = 2.0 if config.indexer_training == "frozen" else 4.0
+    return model * matmul_params(config) + indexer * config.num_layers * _indexer_params(config)
 
 
 def flops_per_token(config, doc_len: int) -> float:

@@ -63,7 +63,9 @@ class MetricsLogger:
         for key, value in values.items():
             self.tensorboard.add_scalar(key, value, step)
         self.progress.update(
-            self.task, completed=step, status=_status(values, ("loss", "tokens_per_sec", "mfu", "expert_dropped"))
+            self.task,
+            completed=step,
+            status=_status(values, ("loss", "indexer_loss", "tokens_per_sec", "mfu", "expert_dropped")),
         )
         if not self.live:
             print(f"step {step:>6} {_status(values, FORMATS)}", file=sys.stderr, flush=True)
@@ -88,6 +90,7 @@ class MetricsLogger:
 
 FORMATS = {
     "loss": ("loss", ".4f"),
+    "indexer_loss": ("indexer", ".4f"),
     "eval_loss": ("eval", ".4f"),
     "tokens_per_sec": ("tok/s", ",.0f"),
     "mfu": ("MFU", ".1%"),

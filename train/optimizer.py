@@ -27,11 +27,16 @@ def learning_rate_schedule(config, total_steps: int) -> optax.Schedule:
     )
 
 
+def parameter_names(path) -> tuple[str, ...]:
+    """The attribute names along a parameter's path in the model's state pytree."""
+    return tuple(entry.key for entry in path if isinstance(getattr(entry, "key", None), str))
+
+
 def decay_mask(params):
     """True for parameters that get weight decay: everything but norm scales, biases and attention sinks."""
 
     def keep(path, _):
-        names = [entry.key for entry in path if isinstance(getattr(entry, "key", None), str)]
+        names = parameter_names(path)
         return names[-1] not in NO_DECAY and not names[-1].endswith("_bias")
 
     return jax.tree_util.tree_map_with_path(keep, params)

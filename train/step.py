@@ -13,11 +13,20 @@ import optax
 from flax import nnx
 
 from layers.loss import chunked_cross_entropy
+from models import frozen
+from models.config import ModelConfig
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding
 from parallel.plan import Plan, use_plan
 from parallel.token_sums import token_sums
 from train.data import BATCH_FIELDS
+from train.optimizer import parameter_names
+
+
+def frozen_mask(model: ModelConfig):
+    """params -> True for the parameters training keeps as they are (models.frozen: e.g. the indexer's while
+    model.indexer_training is frozen)."""
+    return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: frozen(model, parameter_names(path)), params)
 
 
 def loss_sums(model, batch, chunk_size: int, weights=None):
@@ -40,18 +49,22 @@ def loss_sums(model, batch, chunk_size: int, weights=None):
 
 def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     """Gradients of the token-mean loss plus the model's aux losses (each times its coefficient) over `accum_steps`
-    micro-batches, scanned one after another -> (grads, mean token loss, loss tokens, aux summed over micro-batches,
-    {aux loss name: its token-weighted mean over micro-batches})."""
+    micro-batches (zero for the parameters the model keeps frozen, models.frozen), scanned one after another ->
+    (grads, mean token loss, loss tokens, aux summed over micro-batches, {aux loss name: its token-weighted mean over
+    micro-batches})."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     # row i goes to micro-batch i % accum_steps, so every micro-batch stays spread over the batch shards
     micro = jax.tree.map(
         lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch
     )
 
+    frozen = frozen_mask(model.config)(params)
+
     def loss_of(p, micro_batch):
         """(the token loss sum plus n x each aux loss times its coefficient, (token loss sum, n, aux, {name: aux
         loss x n})): the gradient over all tokens divided by their number is the mean loss's plus the aux losses'
-        token-weighted mean."""
+        token-weighted mean. Frozen parameters get no gradient (none is computed for them)."""
+        p = jax.tree.map(lambda x, keep: jax.lax.stop_gradient(x) if keep else x, p, frozen)
         model = nnx.merge(graphdef, p, rest)
         loss, n, aux = loss_sums(model, micro_batch, chunk_size)
         losses = model.aux_losses(aux)
@@ -78,14 +91,23 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
 
 def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, plan: Plan = Plan()):
     """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated.
-    Batch arrays [batch, length] are in `plan.layout` order."""
+    Batch arrays [batch, length] are in `plan.layout` order. The parameters the model keeps frozen (models.frozen)
+    come out as they went in; the optimizer's state keeps their moments, so its shape does not depend on what is
+    frozen."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
         with use_plan(plan):  # inside: jit traces on the first call
             model, optimizer = nnx.merge(graphdef, state)
             grads, loss, count, aux, aux_losses = accumulated_grads(model, batch, chunk_size, accum_steps)
+            params = jax.tree.map(lambda x: x, nnx.state(model, nnx.Param))  # the values, not the variables
+            frozen = frozen_mask(model.config)(params)
             optimizer.update(model, grads)
+            if any(jax.tree.leaves(frozen)):  # back as they were: weight decay would move them
+                kept = jax.tree.map(
+                    lambda old, new, keep: old if keep else new, params, nnx.state(model, nnx.Param), frozen
+                )
+                nnx.update(model, kept)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count, **aux_losses}
             metrics |= model.balance(aux)  # e.g. aux-loss-free expert balancing, outside the gradient
             return nnx.split((model, optimizer))[1], metrics

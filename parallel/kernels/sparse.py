@@ -16,12 +16,22 @@ from parallel.kernels.top_k import Selection
 
 
 def attention(q, k, v, selection: Selection, *, scale: float, block_q: int = 64):
-    """q [batch, tq, heads, dqk], k [batch, tk, kv_heads, dqk], v [batch, tk, kv_heads, dv]; `selection` of
-    [batch, tq, count] keys per query (shared by its heads) -> (out [batch, tq, heads, dv] in q's dtype, weights
-    [batch, tq, count] float32: each selected key's attention probability summed over heads, without gradient, the
-    indexer loss's target). A query with no selected key gets zeros. Differentiable in q, k and v."""
-    out, weights, _ = _attention(q, k, v, selection.indices, selection.valid, scale, block_q)
+    """q [batch, tq, heads, dqk], k [batch, tk, kv_heads, dqk], and v [batch, tk, kv_heads, dv] or an int dv: the
+    values are the keys' first dv features (MLA's absorbed form, whose latent rows are both), gathered once with
+    them; `selection` of [batch, tq, count] keys per query (shared by its heads) -> (out [batch, tq, heads, dv] in
+    q's dtype, weights [batch, tq, count] float32: each selected key's attention probability summed over heads,
+    without gradient, the indexer loss's target). A query with no selected key gets zeros. Differentiable in q, k and
+    v."""
+    values, v = (v, None) if isinstance(v, int) else (v.shape[-1], v)
+    out, weights, _ = _attention(q, k, v, selection.indices, selection.valid, scale, block_q, values)
     return out, lax.stop_gradient(weights)
+
+
+def _selected(k, v, b, at, values):
+    """The selected rows `at` [bq, count] of batch row b: keys [bq, count, kv_heads, dqk] and values [bq, count,
+    kv_heads, dv] (the keys' first `values` features when v is None)."""
+    k_sel = k[b][at]
+    return k_sel, k_sel[..., :values] if v is None else v[b][at]
 
 
 def _probabilities(q_blk, k_sel, seen, scale, lse=None):
@@ -37,15 +47,16 @@ def _probabilities(q_blk, k_sel, seen, scale, lse=None):
     return jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _attention(q, k, v, indices, valid, scale, block_q):
-    return _forward(q, k, v, indices, valid, scale, block_q)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _attention(q, k, v, indices, valid, scale, block_q, values):
+    return _forward(q, k, v, indices, valid, scale, block_q, values)
 
 
-def _forward(q, k, v, indices, valid, scale, block_q):
-    """(out [batch, tq, heads, dv], weights [batch, tq, count], lse [batch, tq, kv_heads, group])."""
+def _forward(q, k, v, indices, valid, scale, block_q, values):
+    """(out [batch, tq, heads, dv], weights [batch, tq, count], lse [batch, tq, kv_heads, group]); v None: the keys'
+    first `values` features."""
     batch, tq, heads, dqk = q.shape
-    kv_heads, dv = k.shape[2], v.shape[-1]
+    kv_heads, dv = k.shape[2], values
     group = heads // kv_heads
     bq, nq = padded_blocks(tq, block_q)
     q, indices, valid = pad(q, 1, bq), pad(indices, 1, bq), pad(valid, 1, bq)
@@ -53,9 +64,9 @@ def _forward(q, k, v, indices, valid, scale, block_q):
     def q_block(flat):
         b, i = flat // nq, flat % nq
         rows = lambda x: lax.dynamic_slice_in_dim(x[b], i * bq, bq)
-        at = rows(indices)
-        p, lse = _probabilities(rows(q).reshape(bq, kv_heads, group, dqk), k[b][at], rows(valid), scale)
-        out = jnp.einsum("qhgc,qchd->qhgd", p.astype(v.dtype), v[b][at], preferred_element_type=jnp.float32)
+        k_sel, v_sel = _selected(k, v, b, rows(indices), values)
+        p, lse = _probabilities(rows(q).reshape(bq, kv_heads, group, dqk), k_sel, rows(valid), scale)
+        out = jnp.einsum("qhgc,qchd->qhgd", p.astype(v_sel.dtype), v_sel, preferred_element_type=jnp.float32)
         return out.reshape(bq, heads, dv).astype(q.dtype), p.sum((1, 2)), lse
 
     out, weights, lse = lax.map(q_block, jnp.arange(batch * nq))
@@ -63,18 +74,19 @@ def _forward(q, k, v, indices, valid, scale, block_q):
     return unblock(out), unblock(weights), unblock(lse)
 
 
-def _attention_forward(q, k, v, indices, valid, scale, block_q):
-    out, weights, lse = _forward(q, k, v, indices, valid, scale, block_q)
+def _attention_forward(q, k, v, indices, valid, scale, block_q, values):
+    out, weights, lse = _forward(q, k, v, indices, valid, scale, block_q, values)
     return (out, weights, lse), (q, k, v, indices, valid, out, lse)
 
 
-def _attention_backward(scale, block_q, residuals, cotangents):
+def _attention_backward(scale, block_q, values, residuals, cotangents):
     """dq, dk, dv (no gradient for the selection): per query block, d score = p (dp - delta) with
-    delta = dout . out; dk and dv rows are added where the block's selection points."""
+    delta = dout . out; dk and dv rows are added where the block's selection points (values that are the keys'
+    first features add to dk there)."""
     q, k, v, indices, valid, out, lse = residuals
     dout = cotangents[0]
     batch, tq, heads, dqk = q.shape
-    kv_heads, dv = k.shape[2], v.shape[-1]
+    kv_heads, dv = k.shape[2], values
     group = heads // kv_heads
     bq, nq = padded_blocks(tq, block_q)
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1).reshape(batch, tq, kv_heads, group)
@@ -87,20 +99,22 @@ def _attention_backward(scale, block_q, residuals, cotangents):
         rows = lambda x: lax.dynamic_slice_in_dim(x[b], i * bq, bq)
         at = rows(indices)
         q_blk, do_blk = rows(q).reshape(bq, kv_heads, group, dqk), rows(dout).reshape(bq, kv_heads, group, dv)
-        k_sel, v_sel = k[b][at], v[b][at]
+        k_sel, v_sel = _selected(k, v, b, at, values)
         p, _ = _probabilities(q_blk, k_sel, rows(valid), scale, rows(lse))
         dp = jnp.einsum("qhgd,qchd->qhgc", do_blk, v_sel, preferred_element_type=jnp.float32)
         ds = p * (dp - rows(delta)[..., None]) * scale
         dq_blk = jnp.einsum("qhgc,qchd->qhgd", ds.astype(k.dtype), k_sel, preferred_element_type=jnp.float32)
         dk_sel = jnp.einsum("qhgc,qhgd->qchd", ds.astype(q.dtype), q_blk, preferred_element_type=jnp.float32)
         dv_sel = jnp.einsum("qhgc,qhgd->qchd", p.astype(dout.dtype), do_blk, preferred_element_type=jnp.float32)
-        dk, dv_ = dk.at[b, at].add(dk_sel), dv_.at[b, at].add(dv_sel)
-        return (dk, dv_), dq_blk.reshape(bq, heads, dqk).astype(q.dtype)
+        dq_blk = dq_blk.reshape(bq, heads, dqk).astype(q.dtype)
+        if v is None:  # the values are the keys' first dv features
+            return (dk.at[b, at].add(dk_sel.at[..., :dv].add(dv_sel)), None), dq_blk
+        return (dk.at[b, at].add(dk_sel), dv_.at[b, at].add(dv_sel)), dq_blk
 
-    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+    zeros = lambda x: None if x is None else jnp.zeros(x.shape, jnp.float32)
     (dk, dv_), dq = lax.scan(q_block, (zeros(k), zeros(v)), jnp.arange(batch * nq))
     dq = dq.reshape(batch, nq * bq, heads, dqk)[:, :tq]
-    return dq, dk.astype(k.dtype), dv_.astype(v.dtype), None, None
+    return dq, dk.astype(k.dtype), None if v is None else dv_.astype(v.dtype), None, None
 
 
 _attention.defvjp(_attention_forward, _attention_backward)

@@ -171,6 +171,7 @@ def test_bad_target_requests_are_named_before_compiling(monkeypatch, capsys):
         ("finetune-128k-gpt-oss-20b", 8),
         ("finetune-128k-deepseek-v2-lite", 8),
         ("finetune-128k-deepseek-v3", 256),
+        ("finetune-128k-deepseek-v3.2", 256),
         ("finetune-128k-qwen3.5-35b-a3b", 16),
     ],
 )

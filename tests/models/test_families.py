@@ -104,6 +104,12 @@ GPT_OSS = dataclasses.replace(
     swiglu_limit=1.0,
     **EXPERTS,
 )
+# DeepSeek-V3.2's sparse attention (each query attends its indexer's 6 best keys) with its indexer's loss, a dense
+# layer then experts; GLM-5's interleaved indexer rotary
+DSA = dataclasses.replace(
+    TINY_MLA, index_topk=6, index_heads=4, index_head_dim=8, first_dense_layers=1, norm_topk_prob=False, **EXPERTS
+)
+GLM_DSA = dataclasses.replace(DSA, index_rope_interleaved=True)
 # both attention features at once, for tensor parallelism (features are fields, whatever the family)
 BIASED_NORMED = dataclasses.replace(DENSE, family="qwen2", qkv_bias=True, qk_norm=True)
 # the default dispatch: expert parallelism drops nothing
@@ -186,6 +192,10 @@ def slow(*case):
         # tests/train/test_tensor_parallel.py)
         slow(TINY_MLA, MeshConfig(fsdp=1, context=8), RING, packed_batch),
         slow(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
+        (DSA, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
+        slow(DSA, MeshConfig(fsdp=1, context=8), RING, packed_batch),
+        slow(GLM_DSA, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
+        slow(GLM_DSA, MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         # experts over expert x context by default: tests/models/test_deepseek.py, tests/parallel/test_experts.py
         slow(FAMILIES["qwen3_moe"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
         slow(FAMILIES["mixtral"], MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),
@@ -210,6 +220,10 @@ def slow(*case):
         "qwen3_5-long-document-ring8",
         "deepseek-ring8",
         "qwen3_5-ring4-tensor2",
+        "deepseek-v3.2-long-document-expert2-ring4",
+        "deepseek-v3.2-ring8",
+        "glm-5-long-document-ring8",
+        "glm-5-expert2-ring4",
         "qwen3_moe-expert2-ring4",
         "mixtral-expert2-ring4",
         "qwen3_5_moe-ring8",

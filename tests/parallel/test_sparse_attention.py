@@ -149,3 +149,28 @@ def test_selection_of_every_visible_key_is_dense_attention():
     out, _ = attention(q, k, v, Selection(*selection), scale=0.5, block_q=8)
     expected, _ = dense_attention(q, k, v, dense_mask(tokens.segment_ids, tokens.index, None), 0.5)
     assert relative_error(out, expected) < 2e-5
+
+
+def test_values_that_are_the_keys_first_features_match_them_given_apart():
+    """MLA's absorbed form: v given as a width (the keys' first features, gathered once with them) equals v given as
+    the keys' slice, in out, the head-summed probabilities and the gradients of q and k."""
+    segment_ids, index, _ = layouts()["packed"]
+    tokens = Tokens(jnp.asarray(segment_ids), jnp.asarray(index, jnp.int32))
+    selection = top_k(*index_inputs(seed=3), tokens, tokens, count=6, options=Options(block_q=16, block_kv=16))
+    rng = np.random.default_rng(6)
+    q, k, cotangent = (
+        normal(rng, BATCH, LENGTH, 4, 24),
+        normal(rng, BATCH, LENGTH, 1, 24),
+        normal(rng, BATCH, LENGTH, 4, 16),
+    )
+
+    def run(q, k, shared):
+        out, weights = attention(q, k, 16 if shared else k[..., :16], selection, scale=0.3, block_q=16)
+        return jnp.sum(out * cotangent), (out, weights)
+
+    (grads, (out, weights)), (want_grads, (want_out, want_weights)) = (
+        jax.jit(jax.grad(run, (0, 1), has_aux=True), static_argnums=2)(q, k, shared) for shared in (True, False)
+    )
+    assert relative_error(out, want_out) < 1e-6 and relative_error(weights, want_weights) < 1e-6
+    for grad, want in zip(grads, want_grads, strict=True):
+        assert relative_error(grad, want) < 1e-6

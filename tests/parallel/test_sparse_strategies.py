@@ -1,6 +1,8 @@
-"""DeepSeek sparse attention split over context devices equals one device: outputs and gradients of q, the latent
-rows and kv_b, on packed and unpacked rows, for each strategy and layout; the devices gather the row's latents and
-index keys (no K/V and no [T, T] array), and a bad plan is named."""
+"""DeepSeek sparse attention split over context devices equals one device: outputs, the indexer's loss and the
+gradients of q, the latent rows, kv_b and the indexer's queries, keys and weights, on packed and unpacked rows, for
+ring 4 and ring 2 x tensor 2 (heads split) by default, and every strategy over 2, 4 or 8 devices in both balanced
+layouts (slow); the devices gather the row's latents and index keys (no K/V and no [T, T] array). The dense warm-up's
+loss likewise."""
 
 import re
 
@@ -39,46 +41,64 @@ def inputs():
 
 
 def attend(q, rows, kv_b, index, seg):
+    """-> (out, the indexer's loss)."""
     return parallel.sparse_attention(
         q, parallel.Latent(Tokens(rows[None]), kv_b, NOPE), index=parallel.Index(*index), count=COUNT, segment_ids=seg,
         scale=0.3,
     )  # fmt: skip
 
 
-def one_device(q, rows, kv_b, index, seg, w):
-    out, pull = jax.vjp(lambda *x: attend(*x, index, seg), q, rows, kv_b)
-    return out, pull(w)
+def one_device(q, rows, kv_b, index, seg, cotangents):
+    out, pull = jax.vjp(lambda *x: attend(*x, seg), q, rows, kv_b, index)
+    return out, pull(cotangents)
+
+
+def warmup(q, rows, kv_b, index, seg):
+    latent = parallel.Latent(Tokens(rows[None]), kv_b, NOPE)
+    return parallel.indexer_warmup(q, latent, index=parallel.Index(*index), segment_ids=seg, scale=0.3)
 
 
 @pytest.mark.parametrize(
-    "strategy, ring, ulysses, layout",
+    "strategy, ring, ulysses, tensor, layout",
     [
-        ("ring", 4, 1, "dual_chunk"),
-        ("usp", 2, 2, "striped"),
-        pytest.param("ring", 8, 1, "dual_chunk", marks=pytest.mark.slow),
-        pytest.param("all_gather", 2, 1, "contiguous", marks=pytest.mark.slow),
-        pytest.param("ulysses", 4, 1, "striped", marks=pytest.mark.slow),
+        ("ring", 4, 1, 1, "dual_chunk"),
+        ("ring", 2, 1, 2, "dual_chunk"),
+        *(
+            pytest.param(*case, marks=pytest.mark.slow)
+            for case in [
+                ("ring", 8, 1, 1, "dual_chunk"),
+                ("ring", 2, 1, 1, "striped"),
+                ("all_gather", 2, 1, 1, "dual_chunk"),
+                ("all_gather", 8, 1, 1, "striped"),
+                ("all_gather", 2, 1, 1, "contiguous"),
+                ("ulysses", 4, 1, 1, "striped"),
+                ("ulysses", 2, 1, 1, "dual_chunk"),
+                ("usp", 2, 2, 1, "striped"),
+                ("usp", 2, 4, 1, "dual_chunk"),
+            ]
+        ),
     ],
 )
-def test_context_split_matches_one_device(strategy, ring, ulysses, layout):
-    devices = np.array(jax.devices()[: ring * ulysses])
+def test_context_split_matches_one_device(strategy, ring, ulysses, tensor, layout):
+    devices = np.array(jax.devices()[: ring * ulysses * tensor])
     if strategy == "usp":
         mesh, axis = Mesh(devices.reshape(ring, ulysses), ("context", "ulysses")), ("context", "ulysses")
     else:
-        mesh, axis = Mesh(devices, ("context",)), "context"
+        mesh, axis = Mesh(devices.reshape(ring, tensor), ("context", "tensor")), "context"
     shards = ring * ulysses
     order = dict(layout=layout, stripe=2, axis=1)
     q, rows, kv_b, index, w = inputs()
+    cotangents = (w, jnp.asarray(np.random.default_rng(1).normal(size=(BATCH, LENGTH)), jnp.float32))
 
     def run(q, rows, kv_b, index, seg):
         laid = lambda x: to_balanced(x, shards, **order)
 
-        def split(q, rows, kv_b):
-            out = attend(laid(q), laid(rows), kv_b, [laid(x) for x in index], laid(seg))
-            return from_balanced(out, shards, **order)
+        def split(q, rows, kv_b, index):
+            outputs = attend(laid(q), laid(rows), kv_b, [laid(x) for x in index], laid(seg))
+            return tuple(from_balanced(x, shards, **order) for x in outputs)
 
-        out, pull = jax.vjp(split, q, rows, kv_b)
-        return out, pull(w)
+        outputs, pull = jax.vjp(split, q, rows, kv_b, index)
+        return outputs, pull(cotangents)
 
     packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=ring))
     plan = Plan(strategy=strategy, axis=axis, layout=layout, stripe=2)
@@ -89,9 +109,36 @@ def test_context_split_matches_one_device(strategy, ring, ulysses, layout):
     gathered = set(re.findall(r"all_gather.*-> (tensor<[^>]*>)", program))
     whole = f"tensor<{BATCH}x{LENGTH}x"
     assert gathered == {f"{whole}{LORA + ROPE}xf32>", f"{whole}{INDEX_DIM}xf32>", f"{whole[:-1]}xi32>"}, gathered
-    for seg, (out, grads) in results:
-        want, want_grads = one_device(q, rows, kv_b, index, seg, w)
-        label = f"{strategy} {ring}x{ulysses} {layout} packed={seg is packed}"
-        assert relative_error(out, want) < 2e-5, label
-        for name, got, ref in zip(("q", "rows", "kv_b"), grads, want_grads, strict=True):
+    for seg, (outputs, grads) in results:
+        want, want_grads = one_device(q, rows, kv_b, index, seg, cotangents)
+        label = f"{strategy} {ring}x{ulysses}x{tensor} {layout} packed={seg is packed}"
+        for name, got, ref in zip(("out", "indexer loss"), outputs, want, strict=True):
+            assert relative_error(got, ref) < 2e-5, f"{label}: {name}"
+        names = ("q", "rows", "kv_b", "index queries", "index keys", "index weights")
+        for name, got, ref in zip(names, jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
             assert relative_error(got, ref) < 2e-5, f"{label}: d{name}"
+
+
+@pytest.mark.parametrize(
+    "strategy, ring, tensor, layout",
+    [("ring", 2, 2, "striped"), pytest.param("ring", 8, 1, "dual_chunk", marks=pytest.mark.slow)],
+)
+def test_dense_warmup_loss_split_matches_one_device(strategy, ring, tensor, layout):
+    """The warm-up's loss and the gradients of the indexer's queries, keys and weights, packed rows."""
+    mesh = Mesh(np.array(jax.devices()[: ring * tensor]).reshape(ring, tensor), ("context", "tensor"))
+    order = dict(layout=layout, stripe=2, axis=1)
+    q, rows, kv_b, index, _ = inputs()
+    w = jnp.asarray(np.random.default_rng(2).normal(size=(BATCH, LENGTH)), jnp.float32)
+    packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=5))
+
+    def run(index):
+        laid = lambda x: to_balanced(x, ring, **order)
+        loss = warmup(laid(q), laid(rows), kv_b, [laid(x) for x in index], laid(packed))
+        return jnp.sum(from_balanced(loss, ring, **order) * w)
+
+    with jax.set_mesh(mesh), use_plan(Plan(strategy=strategy, axis="context", layout=layout, stripe=2)):
+        loss, grads = jax.jit(jax.value_and_grad(run))(index)
+    want, want_grads = jax.value_and_grad(lambda index: jnp.sum(warmup(q, rows, kv_b, index, packed) * w))(index)
+    assert relative_error(loss, want) < 2e-5
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert relative_error(got, ref) < 2e-5

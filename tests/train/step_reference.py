@@ -71,8 +71,9 @@ def initial_state(model: ModelConfig):
 def first_step(
     host_state, model: ModelConfig, mesh_config: MeshConfig, parallel_config: ParallelConfig, devices, make_batch=None
 ):
-    """(losses [the token loss, and the router's load-balancing loss when the model trains with one], {parameter path:
-    gradient}) of one train step on `make_batch(vocab_size)` (packed_batch) as the loop would run it."""
+    """(losses [the token loss, then the router's load-balancing loss and the indexer's loss when the model trains
+    with them], {parameter path: gradient}) of one train step on `make_batch(vocab_size)` (packed_batch) as the loop
+    would run it."""
     mesh = make_mesh(mesh_config, devices)
     check_context(parallel_config, mesh.shape, seq_len=LENGTH, num_heads=model.num_heads)
     plan = make_plan(parallel_config, mesh.shape)
@@ -83,7 +84,7 @@ def first_step(
     with jax.set_mesh(mesh):
         new_state, metrics = step(state.state, jax.device_put(batch, batch_sharding(mesh)))
     grads = jax.tree_util.tree_leaves_with_path(jax.device_get(new_state[1]["opt_state"]))
-    losses = np.array([float(metrics[key]) for key in ("loss", "router_aux_loss") if key in metrics])
+    losses = np.array([float(metrics[key]) for key in ("loss", "router_aux_loss", "indexer_loss") if key in metrics])
     return losses, {jax.tree_util.keystr(path): np.asarray(g) for path, g in grads}
 
 

@@ -195,17 +195,27 @@ def test_a_sliding_window_caps_the_attention_flops():
 
 def test_sparse_attention_counts_its_keys_and_the_indexer():
     """index_topk 16: a 64-token document attends 64 * 16 - 16^2 / 2 pairs (as a window of 16 would) and the
-    indexer scores all 64^2 / 2 pairs forward (2 FLOPs x index heads x index head dim each) after its projections."""
+    indexer scores all 64^2 / 2 pairs forward (2 FLOPs x index heads x index head dim each) after its projections,
+    and its loss's backward over the selected pairs (twice their forward) when it trains; the warm-up runs dense
+    attention and the model's matmuls forward only and the indexer's scores of every pair forward and backward."""
     config = load_config(tiny_run.REPO / "configs/deepseek-v3.2-tiny.yaml").model
     dense = dataclasses.replace(config, index_topk=0)
     rows = np.repeat(np.arange(1, 5), 64)[None].repeat(2, 0)
     indexer = config.q_lora_rank * 8 * 32 + config.embed_dim * (32 + 8)
-    projections = (6 * matmul_params(config) + 2 * config.num_layers * indexer) * rows.size
-    sparse = dataclasses.replace(config, index_topk=16)
-    attention = (batch_flops(dense, rows) - 6 * matmul_params(config) * rows.size) * (2 * 64 * 16 - 16**2) / 64**2
+    matmuls = 6 * matmul_params(config) * rows.size
+    dense_attention = batch_flops(dense, rows) - matmuls
+    selected = (2 * 64 * 16 - 16**2) / 64**2
     scores = config.num_layers * 8 * 32 * 64**2 * 8  # 8 documents
-    assert batch_flops(sparse, rows) == pytest.approx(projections + attention + scores)
-    assert flops_per_token(sparse, 64) == pytest.approx(batch_flops(sparse, rows) / rows.size)
+    ways = {
+        "sparse": matmuls + 4 * config.num_layers * indexer * rows.size + dense_attention * selected
+        + scores * (1 + 2 * selected),
+        "frozen": matmuls + 2 * config.num_layers * indexer * rows.size + dense_attention * selected + scores,
+        "warmup": matmuls / 3 + 4 * config.num_layers * indexer * rows.size + dense_attention / 3 + 3 * scores,
+    }  # fmt: skip
+    for way, expected in ways.items():
+        sparse = dataclasses.replace(config, index_topk=16, indexer_training=way)
+        assert batch_flops(sparse, rows) == pytest.approx(expected), way
+        assert flops_per_token(sparse, 64) == pytest.approx(batch_flops(sparse, rows) / rows.size), way
 
 
 def test_document_lengths_count_each_id_of_each_row_without_padding():

@@ -1,5 +1,5 @@
 """The 128K recipes fit 80 GiB per device in `--plan`: Qwen3-8B on 8 devices, Qwen3-30B-A3B on 16 and gpt-oss-20b on
-8 (about 10 s each), DeepSeek-V2-Lite on 8 and V3 on 256 (slow: each compiles the full-size step for simulated CPU
+8 (about 10 s each), DeepSeek-V2-Lite on 8, V3 and V3.2 on 256 (slow: each compiles the full-size step for simulated CPU
 devices, about a minute each; `python -m pytest -m slow`)."""
 
 import pathlib
@@ -47,7 +47,10 @@ def test_128k_recipe_fits_80_gib(name, devices):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name, devices", [("finetune-128k-deepseek-v2-lite", 8), ("finetune-128k-deepseek-v3", 256)])
+@pytest.mark.parametrize(
+    "name, devices",
+    [("finetune-128k-deepseek-v2-lite", 8), ("finetune-128k-deepseek-v3", 256), ("finetune-128k-deepseek-v3.2", 256)],
+)
 def test_deepseek_128k_recipe_fits_80_gib(name, devices):
     done = plan(name, devices)
     assert done.returncode == 0 and "fits" in done.stdout, done.stdout + done.stderr
