@@ -38,13 +38,24 @@ def saved_model(directory: pathlib.Path) -> ModelConfig | None:
     return None
 
 
+# what sparse attention's indexer adds to a model that had none (DeepSeek-V3 given one, as V3.2 was made)
+INDEXER_KEYS = ("index_topk", "index_heads", "index_head_dim", "index_rope_interleaved")
+
+
+def adds_indexer(saved: ModelConfig, current: ModelConfig) -> bool:
+    """Whether `current` gives sparse attention's indexer to a model `saved` without one."""
+    return not saved.index_topk and current.index_topk > 0
+
+
 def differences(saved: ModelConfig, current: ModelConfig) -> list[str]:
-    """`key: X there, Y here` for each architecture key (not FREE) on which two model configs differ."""
+    """`key: X there, Y here` for each architecture key (not FREE) on which two model configs differ; an indexer
+    added to a model without one is no difference in the dense warm-up, which trains it from fresh parameters."""
     there, here = dataclasses.asdict(saved), dataclasses.asdict(current)
+    added = adds_indexer(saved, current) and current.indexer_training == "warmup"
     return [
         f"{key}: {there[key]!r} there, {here[key]!r} here"
         for key in here
-        if key not in FREE and there[key] != here[key]
+        if key not in FREE and there[key] != here[key] and not (added and key in INDEXER_KEYS)
     ]
 
 
@@ -54,7 +65,13 @@ def check_architecture(directory: pathlib.Path, current: ModelConfig) -> None:
     saved = saved_model(directory)
     found = differences(saved, current) if saved is not None else []
     if found:
+        hint = (
+            ". A new indexer trains alone first: model.indexer_training=warmup"
+            if saved is not None and adds_indexer(saved, current)
+            else ""
+        )
         raise CheckpointError(
             f"checkpoint.init_from: {directory} holds another model than this run's ({'; '.join(found)}). Start "
-            f"from a config with that model (model_from_init: true takes an import's), or set these keys as it has them"
+            f"from a config with that model (model_from_init: true takes an import's), or set these keys as it has "
+            f"them{hint}"
         )

@@ -368,6 +368,13 @@ def newest_readable(checkpoint: str | pathlib.Path, read: Callable[[pathlib.Path
     )
 
 
+def _without(tree: dict, name: str) -> dict:
+    """A pure dict without the entries under a key `name`, at any depth."""
+    return {
+        key: _without(value, name) if isinstance(value, dict) else value for key, value in tree.items() if key != name
+    }
+
+
 def _on_this_process(abstract: dict) -> dict:
     """`abstract` (a pure dict of abstract arrays) with each leaf that has no sharding placed on this process's
     first device: orbax would otherwise restore onto the saved sharding, whose devices may not exist here."""
@@ -380,9 +387,10 @@ def _on_this_process(abstract: dict) -> dict:
     )
 
 
-def read_model_params(directory: pathlib.Path, abstract_model: nnx.State) -> nnx.State:
+def read_model_params(directory: pathlib.Path, abstract_model: nnx.State, may_lack: str | None = None) -> nnx.State:
     """The `model` item of `directory` (a step directory or an import) in `abstract_model`'s shapes and shardings
-    (this process's first device for a leaf without one). Raises Unreadable when its arrays cannot be read, and
+    (this process's first device for a leaf without one); an item without any parameter under an attribute named
+    `may_lack` leaves those abstract, for fresh ones. Raises Unreadable when its arrays cannot be read, and
     CheckpointError naming the first mismatched parameter."""
     item = directory / "model"
     expected = _on_this_process(_pure(abstract_model))
@@ -391,6 +399,8 @@ def read_model_params(directory: pathlib.Path, abstract_model: nnx.State) -> nnx
     except Exception as error:  # noqa: BLE001 - any failure to read means the item is unusable
         raise Unreadable(f"cannot read the parameters in {item} ({_first_line(error)})") from None
     difference = structure_difference(saved, expected)
+    if difference and may_lack is not None and not structure_difference(saved, _without(expected, may_lack)):
+        expected, difference = _without(expected, may_lack), ""
     if difference:
         raise CheckpointError(f"the parameters in {item} do not fit the configured model: {difference}")
     try:
@@ -403,16 +413,20 @@ def read_model_params(directory: pathlib.Path, abstract_model: nnx.State) -> nnx
 
 
 def restore_model_params(
-    path: str | pathlib.Path, abstract_model: nnx.State, check: Callable[[pathlib.Path], None] | None = None
+    path: str | pathlib.Path,
+    abstract_model: nnx.State,
+    check: Callable[[pathlib.Path], None] | None = None,
+    may_lack: str | None = None,
 ) -> nnx.State:
     """Params-only initialisation: `read_model_params` of the newest readable of `model_directories(path)`, whose
     directory is written to stderr (init_from, evaluation and export all say which step they read); `check`
-    (e.g. of its architecture) runs on that directory first and may refuse it by raising."""
+    (e.g. of its architecture) runs on that directory first and may refuse it by raising; `may_lack` as
+    read_model_params takes it."""
 
     def read(directory: pathlib.Path) -> nnx.State:
         if check is not None:
             check(directory)
-        return read_model_params(directory, abstract_model)
+        return read_model_params(directory, abstract_model, may_lack)
 
     directory, params = newest_readable(path, read)
     print(f"parameters from {directory}", file=sys.stderr, flush=True)

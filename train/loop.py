@@ -13,6 +13,7 @@ import pathlib
 import jax
 import yaml
 
+from models.deepseek import INDEXER
 from parallel.mesh import make_mesh
 from train import library_log
 from train.architecture import check_architecture
@@ -83,7 +84,10 @@ def run(config: Config) -> dict:
     # seeding parameters is the last check that can fail on the configuration: before the run directory is made
     seed = (
         restore_model_params(
-            config.checkpoint.init_from, abstract[1][0], lambda directory: check_architecture(directory, config.model)
+            config.checkpoint.init_from,
+            abstract[1][0],
+            lambda directory: check_architecture(directory, config.model),
+            may_lack=INDEXER if config.model.indexer_training == "warmup" else None,  # a new indexer, trained alone
         )
         if config.checkpoint.init_from and not resuming
         else None
@@ -114,13 +118,14 @@ def run(config: Config) -> dict:
 
 def _initial_state(config: Config, checkpoints, train_iter, tx, mesh, abstract, seed) -> tuple[int, TrainState]:
     """(step, state) of the newest checkpoint (the iterator restored with it), else fresh parameters at step 0
-    (replaced by `seed`, checkpoint.init_from's parameters, when given)."""
+    (replaced by `seed`, checkpoint.init_from's parameters, when given, but for those it lacks)."""
     graphdef, abstract, shardings = abstract
     restored = checkpoints.restore_latest(abstract, train_iter, to_dict(config)) if checkpoints else None
     if restored:
         log.info("resumed from step %d", restored[0])
         return restored[0], TrainState(graphdef, restored[1], shardings)
     train_state = create_state(config.model, tx, mesh, config.train.seed, compute=config.compute)
-    if seed is not None:
-        train_state.state[0] = seed
+    if seed is not None:  # what the seed lacks (a new indexer) keeps its fresh values
+        fresh = lambda seeded, new: new if isinstance(seeded, jax.ShapeDtypeStruct) else seeded
+        train_state.state[0] = jax.tree.map(fresh, seed, train_state.state[0])
     return 0, train_state
