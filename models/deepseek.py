@@ -1,7 +1,7 @@
 """DeepSeek-V2/V3-like decoder: multi-head latent attention in every block; the first `first_dense_layers`
 blocks end in a dense SwiGLU, the others in a mixture of experts (models/mixture.py). With DeepSeek-V3.2's sparse
 attention each block also reports its indexer's loss (layers/mla.py), which the decoder adds to training's losses at
-`indexer_loss_coef`; `frozen` names the parameters `indexer_training` keeps as they are."""
+`indexer_loss_coef`; `frozen` names the variables `indexer_training` keeps as they are."""
 
 from __future__ import annotations
 
@@ -70,8 +70,8 @@ class DeepSeek(MixtureDecoder):
 
 
 def frozen(config: ModelConfig, names: tuple[str, ...]) -> bool:
-    """Whether training keeps the parameter at path `names` as it is: the indexers' when model.indexer_training is
-    frozen, every other one in the warm-up."""
+    """Whether training keeps the variable at path `names` (a parameter, or state such as the router bias) as it is:
+    the indexers' when model.indexer_training is frozen, every other one in the warm-up."""
     if config.indexer_training == "frozen":
         return INDEXER in names
     return config.indexer_training == "warmup" and INDEXER not in names

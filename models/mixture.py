@@ -72,13 +72,13 @@ class MixtureDecoder(Decoder):
 
     def balance(self, aux) -> dict:
         """After an optimizer step: moves each MoE layer's router bias towards equal expert loads (rate
-        `router_bias_rate`; 0 for softmax routing, whose bias stays zero, and in the indexer's dense warm-up, which
-        keeps the model as it is) and returns the load metrics (imbalance = max / mean expert load, worst layer) and
-        the fraction of assignments dropped by the expert dispatch (all MoE layers)."""
+        `router_bias_rate`; 0 for softmax routing, whose bias stays zero) and returns the load metrics (imbalance =
+        max / mean expert load, worst layer) and the fraction of assignments dropped by the expert dispatch (all MoE
+        layers)."""
         if self.moe_layers is None:
             return {}
         counts = jax.lax.stop_gradient(aux["expert_counts"]).sum(1)  # [moe layers, experts]
-        rate = 0.0 if self.config.indexer_training == "warmup" else self.config.router_bias_rate
+        rate = self.config.router_bias_rate
         for block, layers in stacked_blocks(self.moe_layers, self.config.layer_kinds[self.config.num_dense_layers :]):
             bias = block.moe.bias
             bias[...] = jax.vmap(update_router_bias, in_axes=(0, 0, None))(bias[...], counts[jnp.asarray(layers)], rate)

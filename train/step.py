@@ -24,9 +24,9 @@ from train.optimizer import parameter_names
 
 
 def frozen_mask(model: ModelConfig):
-    """params -> True for the parameters training keeps as they are (models.frozen: e.g. the indexer's while
-    model.indexer_training is frozen)."""
-    return lambda params: jax.tree_util.tree_map_with_path(lambda path, _: frozen(model, parameter_names(path)), params)
+    """model state -> True for the variables training keeps as they are (models.frozen: e.g. the indexer's while
+    model.indexer_training is frozen; in its warm-up every other one, the router bias included)."""
+    return lambda state: jax.tree_util.tree_map_with_path(lambda path, _: frozen(model, parameter_names(path)), state)
 
 
 def loss_sums(model, batch, chunk_size: int, weights=None):
@@ -47,9 +47,9 @@ def loss_sums(model, batch, chunk_size: int, weights=None):
     return loss, count, aux
 
 
-def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
+def accumulated_grads(model, batch, chunk_size: int, accum_steps: int, frozen):
     """Gradients of the token-mean loss plus the model's aux losses (each times its coefficient) over `accum_steps`
-    micro-batches (zero for the parameters the model keeps frozen, models.frozen), scanned one after another ->
+    micro-batches (zero where `frozen`, frozen_mask of the model's Params, is True), scanned one after another ->
     (grads, mean token loss, loss tokens, aux summed over micro-batches, {aux loss name: its token-weighted mean over
     micro-batches})."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -57,8 +57,6 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
     micro = jax.tree.map(
         lambda x: x.reshape(x.shape[0] // accum_steps, accum_steps, *x.shape[1:]).swapaxes(0, 1), batch
     )
-
-    frozen = frozen_mask(model.config)(params)
 
     def loss_of(p, micro_batch):
         """(the token loss sum plus n x each aux loss times its coefficient, (token loss sum, n, aux, {name: aux
@@ -91,7 +89,7 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int):
 
 def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, plan: Plan = Plan()):
     """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated.
-    Batch arrays [batch, length] are in `plan.layout` order. The parameters the model keeps frozen (models.frozen)
+    Batch arrays [batch, length] are in `plan.layout` order. The variables the model keeps frozen (models.frozen)
     come out as they went in; the optimizer's state keeps their moments, so its shape does not depend on what is
     frozen."""
     graphdef = train_state.graphdef
@@ -99,17 +97,17 @@ def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, pla
     def step(state, batch):
         with use_plan(plan):  # inside: jit traces on the first call
             model, optimizer = nnx.merge(graphdef, state)
-            grads, loss, count, aux, aux_losses = accumulated_grads(model, batch, chunk_size, accum_steps)
-            params = jax.tree.map(lambda x: x, nnx.state(model, nnx.Param))  # the values, not the variables
-            frozen = frozen_mask(model.config)(params)
+            before = jax.tree.map(lambda x: x, nnx.state(model))  # the values, not the variables
+            frozen = frozen_mask(model.config)(before)
+            grads, loss, count, aux, aux_losses = accumulated_grads(
+                model, batch, chunk_size, accum_steps, nnx.filter_state(frozen, nnx.Param)
+            )
             optimizer.update(model, grads)
-            if any(jax.tree.leaves(frozen)):  # back as they were: weight decay would move them
-                kept = jax.tree.map(
-                    lambda old, new, keep: old if keep else new, params, nnx.state(model, nnx.Param), frozen
-                )
-                nnx.update(model, kept)
             metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "loss_tokens": count, **aux_losses}
             metrics |= model.balance(aux)  # e.g. aux-loss-free expert balancing, outside the gradient
+            if any(jax.tree.leaves(frozen)):  # back as they were: weight decay and balancing would move them
+                kept = jax.tree.map(lambda old, new, keep: old if keep else new, before, nnx.state(model), frozen)
+                nnx.update(model, kept)
             return nnx.split((model, optimizer))[1], metrics
 
     data = {key: batch_sharding(mesh) for key in BATCH_FIELDS}

@@ -172,7 +172,8 @@ def slow(*case):
     variants whose layers another default test splits the same way (experts under the ring: tests/models/
     test_deepseek.py and tests/parallel/test_experts.py; the hybrid over 8 devices: tests/layers/test_gated_deltanet.py
     and tests/train/test_hung_steps.py; windows and sinks: tests/parallel/test_strategy_windows.py; MLA's latent ring:
-    tests/parallel/test_latent_ring.py)."""
+    tests/parallel/test_latent_ring.py; sparse attention and its indexer's loss: tests/parallel/
+    test_sparse_strategies.py)."""
     return pytest.param(*case, marks=pytest.mark.slow)
 
 
@@ -192,7 +193,8 @@ def slow(*case):
         # tests/train/test_tensor_parallel.py)
         slow(TINY_MLA, MeshConfig(fsdp=1, context=8), RING, packed_batch),
         slow(FAMILIES["qwen3_5"], MeshConfig(fsdp=1, context=4, tensor=2), RING, packed_batch),
-        (DSA, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
+        # sparse attention's split by default: tests/parallel/test_sparse_strategies.py (loss and index gradients)
+        slow(DSA, MeshConfig(fsdp=1, expert=2, context=4), RING, long_document_batch),
         slow(DSA, MeshConfig(fsdp=1, context=8), RING, packed_batch),
         slow(GLM_DSA, MeshConfig(fsdp=1, context=8), RING, long_document_batch),
         slow(GLM_DSA, MeshConfig(fsdp=1, expert=2, context=4), RING, packed_batch),

@@ -13,7 +13,7 @@ import models
 from train.checkpoint import structure_difference
 from train.config import ComputeConfig, ConfigError, ModelConfig, OptimizerConfig, load_config
 from train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
-from train.step import accumulated_grads
+from train.step import accumulated_grads, frozen_mask
 
 
 def test_warmup_from_above_zero_then_cosine_to_min_ratio():
@@ -135,8 +135,9 @@ def test_gradient_accumulation_equals_one_batch():
         positions=np.tile(np.arange(16, dtype=np.int32), (4, 1)),
         loss_mask=(segment_ids > 0).astype(np.float32),
     )
-    one = accumulated_grads(model, batch, 8, 1)
-    four = accumulated_grads(model, batch, 8, 4)
+    frozen = frozen_mask(model.config)(nnx.state(model, nnx.Param))  # all False: a llama freezes nothing
+    one = accumulated_grads(model, batch, 8, 1, frozen)
+    four = accumulated_grads(model, batch, 8, 4, frozen)
     np.testing.assert_allclose(one[1], four[1], rtol=1e-6)
     assert float(one[2]) == float(four[2]) == float(batch["loss_mask"].sum())
     # float32 sums in another order: an element's error is relative to the size of what was summed (the gradient's
