@@ -25,7 +25,7 @@ from bench.train_throughput import prepare, timed_step
 from parallel import compat, kernels
 from parallel.kernels import cudnn
 from train.config import load_config
-from train.flops import flops_per_token, peak_flops_per_device
+from train.planning.flops import flops_per_token, peak_flops_per_device
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "optax", "orbax-checkpoint", "grain")

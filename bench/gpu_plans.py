@@ -1,7 +1,7 @@
 """The 128K recipes compiled for H100s with each attention kernel, and for simulated CPU devices: what XLA's GPU
 compiler assigns per device (no GPU needed: parallel/targets.py, the `gpu` extra), against the blockwise kernel's
-GPU plan and the CPU plan of the same step, in one run; for each GPU plan the speed estimate (train/speed.py: step
-seconds, tokens/s per GPU, MFU, the three largest costs) and how many reshards XLA's partitioner could only do by
+GPU plan and the CPU plan of the same step, in one run; for each GPU plan the speed estimate (train/planning/speed.py:
+step seconds, tokens/s per GPU, MFU, the three largest costs) and how many reshards XLA's partitioner could only do by
 replicating a tensor ("involuntary", from its stderr). A kernel that does not compile gets a row saying why.
 
     PYTHONPATH=. python bench/gpu_plans.py                       # the RECIPES below, about 15 min on 2 cores
@@ -20,7 +20,7 @@ import sys
 
 from bench.report import ratio, skip
 from parallel import targets
-from train.environment import default_environment
+from train.process.environment import default_environment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = (
@@ -37,7 +37,7 @@ PLAN = """
 import sys
 from parallel import targets
 from train.config import load_config
-from train.memory import plan_memory
+from train.planning.memory import plan_memory
 from train.__main__ import simulate_cpu_devices
 recipe, target, count, *overrides = sys.argv[1:]
 config = load_config(f"configs/{recipe}.yaml", [*overrides, "checkpoint.init_from="])
@@ -50,7 +50,7 @@ else:
 p = plan_memory(config, devices)
 print("PLAN", p.arguments, p.temporaries, p.total, f"{p.compile_seconds:.1f}", p.attention_kernel)
 if target != "cpu":
-    from train.speed import estimate_plan
+    from train.planning.speed import estimate_plan
     e = estimate_plan(p, targets.target(target).rates)
     top = ", ".join(f"{name} {share:.0%}" for name, share in e.top())
     print(f"ESTIMATE {e.seconds:.3g}|{e.tokens_per_second_per_device:,.0f}|{e.mfu:.1%}|{top}")

@@ -2,8 +2,8 @@
 attention (128 heads, keys 128 + 64 wide, values 128, latent 512 + 64) at 128K over a ring of 16 H100s on two hosts,
 as its recipe splits it, forward + backward of one layer compiled for H100 (no GPU: parallel/targets.py, the `gpu`
 extra). Prints the bytes each ring step moves per device (from the compiled collective-permutes), the speed
-estimate's step seconds and its collective-permutes' seconds, hidden or exposed (train/speed.py), the matmul FLOPs
-the per-step expansion adds against the attention kernels' FLOPs, and the compiled temporaries.
+estimate's step seconds and its collective-permutes' seconds, hidden or exposed (train/planning/speed.py), the matmul
+FLOPs the per-step expansion adds against the attention kernels' FLOPs, and the compiled temporaries.
 
     PYTHONPATH=. python bench/mla_ring.py            # 128K over 16 devices, cuDNN (about 3 minutes on 2 cores)
     PYTHONPATH=. python bench/mla_ring.py --quick    # 32K over 8 devices, 16 heads
@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     if not targets.plugin_installed():
         skip(f"compiling for H100 needs XLA's GPU compiler: {targets.GPU_INSTALL}")
-    from train.speed import schedule_cost
+    from train.planning.speed import schedule_cost
 
     count, length, heads = (8, 32768, 16) if args.quick else (16, 131072, 128)
     devices = targets.compile_only_devices("h100", count)

@@ -18,7 +18,7 @@ import sys
 import tempfile
 
 from bench.report import ratio
-from train.environment import default_environment
+from train.process.environment import default_environment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 100
@@ -39,7 +39,7 @@ ONE_HOST = ["mesh.expert=1", "train.grad_accum_steps=8", "parallel.expert_chunk_
 PLAN = """
 import sys
 from train.config import load_config
-from train.memory import plan_memory
+from train.planning.memory import plan_memory
 from train.__main__ import simulate_cpu_devices
 recipe, count, *overrides = sys.argv[1:]
 simulate_cpu_devices(int(count))

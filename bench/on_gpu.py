@@ -10,7 +10,7 @@ Parts (bench/gpu_parts.py):
                 16/2 x 256) at 8K, 32K and 128K on rows of 1, 2 and 16 documents, most important first: TFLOP/s per
                 visible pair, as a fraction of the matmul ceiling, and at 8K the errors against blockwise in float32
   llama_1b      a Llama 3.2 1B train step on one GPU with `auto` at 128K (compile included in its box): tokens/s,
-                MFU (train/flops.py), peak device memory; llama_1b=KERNEL:LENGTH runs another
+                MFU (train/planning/flops.py), peak device memory; llama_1b=KERNEL:LENGTH runs another
   kernel_tests  tests/parallel/test_gpu_kernels.py (cuDNN, FlashAttention-3 and Pallas against blockwise on the GPU),
                 per case
   tiny_train    20 steps of configs/tiny.yaml with the `auto` kernel: its first-contact line and the loss falling

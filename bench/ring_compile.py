@@ -30,7 +30,7 @@ import json, re, sys
 import parallel
 from parallel import targets
 from train.config import load_config
-from train.memory import plan_memory
+from train.planning.memory import plan_memory
 config = load_config(sys.argv[1], sys.argv[2:])
 plan = plan_memory(config, targets.compile_only_devices("h100", 8))
 text = plan.compiled.as_text()

@@ -1,6 +1,6 @@
-"""The speed estimate (train/speed.py) against what one GPU measured: the Llama 3.2 1B train steps of bench/README.md
-"On one GPU" (an H200, 2026-11-26) compiled here for a compile-only H200 as bench/gpu_parts.py's llama_1b part
-builds them, each estimate printed beside the measured step time with their ratio. No GPU needed.
+"""The speed estimate (train/planning/speed.py) against what one GPU measured: the Llama 3.2 1B train steps of
+bench/README.md "On one GPU" (an H200, 2026-11-26) compiled here for a compile-only H200 as bench/gpu_parts.py's
+llama_1b part builds them, each estimate printed beside the measured step time with their ratio. No GPU needed.
 
     PYTHONPATH=. python bench/speed_calibration.py      # three compiles, about a minute on 2 cores
 """
@@ -12,8 +12,8 @@ import pathlib
 from bench.report import ratio, skip
 from parallel import targets
 from train.config import load_config
-from train.memory import plan_memory
-from train.speed import estimate_plan
+from train.planning.memory import plan_memory
+from train.planning.speed import estimate_plan
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # (kernel, tokens, measured seconds of one step): bench/README.md "On one GPU", Llama 3.2 1B, one row of one document

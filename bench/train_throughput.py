@@ -41,8 +41,8 @@ from bench.report import ratio, skip
 from parallel.mesh import batch_sharding, check_batch, make_mesh
 from parallel.planning import make_plan
 from train.config import Config, load_config
-from train.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
 from train.optimizer import make_optimizer
+from train.planning.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
 from train.state import create_state
 from train.step import make_train_step
 
@@ -257,7 +257,11 @@ def report_ratios(results: list[Result], baseline: str) -> None:
 
 def device_line(peak_per_device: float) -> str:
     kind = jax.devices()[0].device_kind
-    source = "dense bf16 peak from train/flops.py" if kind.startswith(tuple(PEAK_FLOPS)) else "measured float32 matmul"
+    source = (
+        "dense bf16 peak from train/planning/flops.py"
+        if kind.startswith(tuple(PEAK_FLOPS))
+        else "measured float32 matmul"
+    )
     return f"device: {jax.device_count()} x {kind}; peak {peak_per_device / 1e12:.3f} TFLOP/s per device ({source})"
 
 

@@ -11,6 +11,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from parallel.kernels.blockwise import even_chunk
+
 
 def logits(hidden: jax.Array, kernel: jax.Array, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """hidden: [..., embed], kernel: [embed, vocab] -> float32 [..., vocab], multiplied in `dtype`.
@@ -66,7 +68,7 @@ def chunked_cross_entropy(
     batch, length = hidden.shape[:2]
     if chunk_size <= 0:
         raise ValueError(f"loss chunk_size must be positive, got {chunk_size}")
-    chunk = max(d for d in range(1, min(chunk_size, length) + 1) if length % d == 0)
+    chunk = even_chunk(length, chunk_size)
     num_chunks = length // chunk
 
     def to_chunks(x: jax.Array) -> jax.Array:

@@ -26,7 +26,7 @@ SPECS = pathlib.Path(__file__).with_name("gpu_targets")
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
-    """What one GPU of a target sustains, for the speed estimate (train/speed.py); measured on a GPU where
+    """What one GPU of a target sustains, for the speed estimate (train/planning/speed.py); measured on a GPU where
     bench/README.md "On one GPU" has it (an H200, 2026-11-26), else from the data sheet as said.
 
     matmul: FLOP/s of large bfloat16 matmuls. attention: FLOP/s of each fused attention kernel, forward + backward,

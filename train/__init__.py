@@ -1,4 +1,7 @@
-"""Training: config, data, optimizer, step, loop, checkpoints, metrics and the `python -m train` CLI."""
+"""Training: the commands (`python -m train`, `python -m train.evaluate`, `python -m train.hf`), the loop (loop,
+trainer, step, optimizer, state, metrics, sample, needle), errors, and the rooms, each a package with one concern:
+config/ (a run's YAML), data/ (documents to batches), checkpoints/ (checkpoints and run directories), planning/ (the
+plan, memory and speed of a run before it runs) and process/ (the processes of a run and how they end)."""
 
 import os
 import signal

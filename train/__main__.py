@@ -1,8 +1,8 @@
 """`python -m train CONFIG [section.key=value ...]`: train (or resume) as configured.
 
 `--plan` trains nothing: it compiles the train step on abstract shapes and prints the memory per device (see
-train/memory.py), for simulated CPU devices or, with `--target h100|h200`, for compile-only GPUs through XLA's GPU
-compiler (parallel/targets.py; needs the `gpu` extra, no GPU)."""
+train/planning/memory.py), for simulated CPU devices or, with `--target h100|h200`, for compile-only GPUs through XLA's
+GPU compiler (parallel/targets.py; needs the `gpu` extra, no GPU)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,12 @@ from models.remat import RematError, check_policy
 from parallel import targets
 from parallel.mesh import AXES, MeshError
 from parallel.targets import TargetError
-from train import distributed, environment, library_log, peers, stall
 from train.config import ConfigError, load_config, to_dict
 from train.errors import CheckpointError, DataError, NonFiniteLoss, leave
-from train.memory import format_plan, format_size, parse_size, plan_memory
-from train.speed import estimate_plan, format_estimate
+from train.planning.memory import format_plan, plan_memory
+from train.planning.sizes import format_size, parse_size
+from train.planning.speed import estimate_plan, format_estimate
+from train.process import distributed, environment, library_log, peers, stall
 
 DOES_NOT_FIT = 4  # exit status of --plan when the step does not fit --device-memory
 SINGLE_STEP_TIMEOUT = 300.0  # seconds a single-process run waits for a step's results before calling it hung

@@ -28,16 +28,16 @@ import matplotlib
 import numpy as np
 
 from parallel.mesh import MeshError, make_mesh
-from train import environment, library_log
-from train.checkpoint import model_directories, restore_model_params
+from train.checkpoints.checkpoint import model_directories, restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
+from train.data.haystack import TASKS, needle_grid
+from train.data.tokenizer import make_tokenizer
 from train.errors import CheckpointError, DataError, leave
-from train.haystack import TASKS, needle_grid
 from train.hf import MODEL_YAML, TOKENIZER
 from train.needle import filler_tokens, model_predictor
-from train.run_plan import run_plan
+from train.planning.run_plan import run_plan
+from train.process import environment, library_log
 from train.state import abstract_model
-from train.tokenizer import make_tokenizer
 
 matplotlib.use("Agg")  # files only, no display
 from matplotlib import pyplot

@@ -4,8 +4,8 @@ import writes OUT/model (an orbax `model` item: `checkpoint.init_from=OUT` seeds
 OUT/model.yaml (the architecture under a top-level `model:` key, for a run config's `base:`) and
 OUT/hf_config.json (the source config.json, whose token ids and max_position_embeddings export carries over) and
 OUT/tokenizer.json when the source has one (for `data.tokenizer`). A run initialised from OUT keeps the last two
-in its run directory (train/origin.py), so the export of a fine-tune carries them too. OUT is written whole beside
-itself and swapped in; an OUT that holds anything (another import, or the same one made before) is refused unless
+in its run directory (train/checkpoints/origin.py), so the export of a fine-tune carries them too. OUT is written whole
+beside itself and swapped in; an OUT that holds anything (another import, or the same one made before) is refused unless
 --overwrite, which replaces everything in it.
 
 export reads CHECKPOINT: an import's OUT, a run's checkpoints/<step>, or a run's checkpoints/ (its newest step
@@ -16,7 +16,7 @@ if given, else CHECKPOINT/model.yaml (an import), else the resolved config a run
 one; an HF_DIR that holds another model is refused unless --overwrite.
 
 A write that fails (a full or read-only disk) leaves OUT or HF_DIR as it was and ends in one line (exit status 2),
-its traceback in the library log the line names (train/library_log.py).
+its traceback in the library log the line names (train/process/library_log.py).
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ from safetensors import SafetensorError
 from models.config import ConfigError, ModelConfig
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
 from models.hf.replace import replace_directory
-from train import environment, library_log
-from train.architecture import saved_model
-from train.checkpoint import newest_readable, read_model_params
+from train.checkpoints.architecture import saved_model
+from train.checkpoints.checkpoint import newest_readable, read_model_params
+from train.checkpoints.origin import origin_file
 from train.config import load_config
 from train.config.imported import HF_CONFIG, MODEL_YAML, TOKENIZER
 from train.errors import CheckpointError, OutputError, leave
-from train.origin import origin_file
+from train.process import environment, library_log
 
 # config.json keys the model does not determine, carried from the imported config.json on export
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -128,7 +128,7 @@ def _cause(error: Exception) -> str:
 
 
 def checkpoint_config(step_dir: pathlib.Path, config_path: str | pathlib.Path | None = None) -> ModelConfig:
-    """The model config of a checkpoint: --config, else its own (train.architecture.saved_model)."""
+    """The model config of a checkpoint: --config, else its own (train.checkpoints.architecture.saved_model)."""
     if config_path:
         return load_config(config_path).model
     saved = saved_model(step_dir)
@@ -148,8 +148,8 @@ def export_checkpoint(
 ) -> tuple[pathlib.Path, list[str], list[str]]:
     """CHECKPOINT's parameters (its newest readable step, see `newest_readable`) -> a Hugging Face directory, written
     whole beside it and swapped in (save_pretrained). `hf_config` (default: the config.json the checkpoint came
-    with, train.origin) gives the token ids, and max_position_embeddings unless the model states its own; the
-    tokenizer.json it came with is copied. A failed write raises OutputError (`_writing`). Returns the directory
+    with, train.checkpoints.origin) gives the token ids, and max_position_embeddings unless the model states its own;
+    the tokenizer.json it came with is copied. A failed write raises OutputError (`_writing`). Returns the directory
     read, the shard file names and notes on what differs from the imported config.json."""
     step_dir, model = newest_readable(checkpoint, lambda directory: _read_model(directory, config_path))
     source = pathlib.Path(hf_config) if hf_config else origin_file(step_dir, HF_CONFIG)

@@ -15,19 +15,19 @@ import yaml
 
 from models.deepseek import INDEXER
 from parallel.mesh import make_mesh
-from train import library_log
-from train.architecture import check_architecture
-from train.checkpoint import Checkpointer, has_checkpoints, restore_model_params
+from train.checkpoints.architecture import check_architecture
+from train.checkpoints.checkpoint import Checkpointer, has_checkpoints, restore_model_params
+from train.checkpoints.lock import make_run_directory, run_directory_lock
+from train.checkpoints.origin import keep_origin
 from train.config import Config, ConfigError, check_built_mesh, to_dict
-from train.data import build_dataset
-from train.lock import make_run_directory, run_directory_lock
+from train.data.pipeline import build_dataset
+from train.data.sources import open_source
+from train.data.tokenizer import make_tokenizer
 from train.needle import needle_evaluation
 from train.optimizer import make_optimizer
-from train.origin import keep_origin
-from train.run_plan import run_plan
-from train.sources import open_source
+from train.planning.run_plan import run_plan
+from train.process import library_log
 from train.state import TrainState, abstract_state, create_state
-from train.tokenizer import make_tokenizer
 from train.trainer import Evaluation, Trainer
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """Needle-in-a-haystack retrieval of a model, scored by teacher forcing (no generation, so it runs at 128K tokens):
-the haystacks of train/haystack.py with the run's held-out text as filler, one forward pass of the model per
+the haystacks of train/data/haystack.py with the run's held-out text as filler, one forward pass of the model per
 grid point over the run's mesh and sequence layout.
 """
 
@@ -19,10 +19,10 @@ from parallel.mesh import batch_sharding, batch_shards, length_shards
 from parallel.plan import Plan, use_plan
 from parallel.planning import to_layout
 from parallel.reorder import layout_index
-from train.data import splits
+from train.data.haystack import TASKS, needle_grid
+from train.data.pipeline import splits
+from train.data.sources import open_source
 from train.errors import DataError
-from train.haystack import TASKS, needle_grid
-from train.sources import open_source
 from train.state import abstract_model
 
 
@@ -46,7 +46,7 @@ def filler_tokens(config, tokenizer, count: int, source=None) -> np.ndarray:
 
 def model_predictor(graphdef, mesh, plan: Plan) -> Callable[[nnx.State, np.ndarray, np.ndarray], np.ndarray]:
     """`predict(state, tokens, at)`, which with a model state bound (functools.partial) is the `predict` of
-    train/haystack.py's `score`: the model of `graphdef` (the model alone) on its sharded `state`, one forward pass
+    train/data/haystack.py's `score`: the model of `graphdef` (the model alone) on its sharded `state`, one forward pass
     per call over `mesh`, the rows in `plan`'s sequence layout (context parallelism included), the head applied
     only at the positions `at`. Compiled once per shape, whatever the state."""
     context = mesh.shape["context"]

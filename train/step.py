@@ -19,7 +19,7 @@ from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding
 from parallel.plan import Plan, use_plan
 from parallel.token_sums import token_sums
-from train.data import BATCH_FIELDS
+from train.data.batch import BATCH_FIELDS
 from train.optimizer import parameter_names
 
 

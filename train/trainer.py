@@ -23,16 +23,16 @@ from flax import nnx
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding, process_rows
 from parallel.planning import to_layout
-from train import divergence, library_log, peers, stall
 from train.config import Config, to_dict
 from train.errors import CheckpointError, NonFiniteLoss
-from train.flops import Peak, batch_flops, peak_flops_per_device
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule
+from train.planning.flops import Peak, batch_flops, peak_flops_per_device
+from train.process import divergence, library_log, peers, stall
+from train.process.stop import Stop
 from train.sample import generate
 from train.state import TrainState
 from train.step import make_eval_step, make_train_step, position_buckets
-from train.stop import Stop
 
 
 def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:

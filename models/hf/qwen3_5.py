@@ -235,15 +235,11 @@ def tensors(config: ModelConfig) -> list[Tensor]:
     )
 
 
-MTP = Nesting(skipped=("mtp.",), reason="the multi-token-prediction layers, which the qwen3_5 model does not use")
-FAMILY = Family(ARCHITECTURE, "qwen3_5", config_from_hf, config_to_hf, tensors, nesting=MTP)
+FAMILY = Family(
+    ARCHITECTURE, "qwen3_5", config_from_hf, config_to_hf, tensors, nesting=Nesting.multi_token_prediction("qwen3_5")
+)
 
 VL_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
-VL_NESTING = Nesting(
-    prefixes=(("model.language_model.", "model."),),
-    skipped=("model.visual.", "mtp."),
-    reason="the vision tower and the multi-token-prediction layers, which the qwen3_5 text model does not use",
-)
 
 
 def text_config(hf: dict) -> dict:
@@ -261,5 +257,11 @@ def vl_config_from_hf(hf: dict) -> ModelConfig:
 
 
 VL_FAMILY = Family(
-    VL_ARCHITECTURE, "qwen3_5", vl_config_from_hf, config_to_hf, tensors, exports=never, nesting=VL_NESTING
+    VL_ARCHITECTURE,
+    "qwen3_5",
+    vl_config_from_hf,
+    config_to_hf,
+    tensors,
+    exports=never,
+    nesting=Nesting.multi_token_prediction("qwen3_5 text", vision=True),
 )

@@ -108,17 +108,6 @@ def tensors(config: ModelConfig, mixer=qwen3_5.mixer) -> list[Tensor]:
     return gqa.checkpoint(config, stack("dense_layers", gqa.mlp) + stack("moe_layers", experts))
 
 
-def skipping(model: str, vision: bool = False) -> Nesting:
-    """The multi-token-prediction layers (and with `vision` the vision tower of a ConditionalGeneration, whose text
-    model sits under model.language_model.) skipped, each kind in one log line."""
-    what = "the vision tower and the multi-token-prediction layers" if vision else "the multi-token-prediction layers"
-    return Nesting(
-        prefixes=(("model.language_model.", "model."),) if vision else (),
-        skipped=("model.visual.", "mtp.") if vision else ("mtp.",),
-        reason=f"{what}, which the {model} model does not use",
-    )
-
-
 FAMILY = Family(
     ARCHITECTURE,
     "qwen3_5_moe",
@@ -126,7 +115,7 @@ FAMILY = Family(
     config_to_hf,
     tensors,
     zeros=gqa.router_bias,
-    nesting=skipping("qwen3_5_moe"),
+    nesting=Nesting.multi_token_prediction("qwen3_5_moe"),
 )
 VL_FAMILY = Family(
     "Qwen3_5MoeForConditionalGeneration",
@@ -136,5 +125,5 @@ VL_FAMILY = Family(
     tensors,
     zeros=gqa.router_bias,
     exports=never,
-    nesting=skipping("qwen3_5_moe text", vision=True),
+    nesting=Nesting.multi_token_prediction("qwen3_5_moe text", vision=True),
 )

@@ -17,7 +17,7 @@ import numpy as np
 from models.config import LINEAR, ModelConfig
 from models.hf import qwen, qwen3_5, qwen3_5_moe
 from models.hf.gqa import norms, router_bias
-from models.hf.spec import Family, Placement, Tensor, check_fields
+from models.hf.spec import Family, Nesting, Placement, Tensor, check_fields
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
 # Qwen3NextConfig's values for the keys a config.json may leave out
@@ -125,5 +125,5 @@ FAMILY = Family(
     config_to_hf,
     functools.partial(qwen3_5_moe.tensors, mixer=mixer),
     zeros=router_bias,
-    nesting=qwen3_5_moe.skipping("qwen3_next"),
+    nesting=Nesting.multi_token_prediction("qwen3_next"),
 )

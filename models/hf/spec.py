@@ -213,6 +213,18 @@ class Nesting:
     skipped: tuple[str, ...] = ()
     reason: str = ""
 
+    @classmethod
+    def multi_token_prediction(cls, model: str, vision: bool = False) -> Nesting:
+        """A Qwen3.5-like checkpoint's multi-token-prediction layers (mtp.*) skipped, and with `vision` the vision
+        tower of a ConditionalGeneration, whose text model sits under model.language_model.; one log line each."""
+        what = "the multi-token-prediction layers"
+        what = f"the vision tower and {what}" if vision else what
+        return cls(
+            prefixes=(("model.language_model.", "model."),) if vision else (),
+            skipped=("model.visual.", "mtp.") if vision else ("mtp.",),
+            reason=f"{what}, which the {model} model does not use",
+        )
+
     def table_name(self, name: str) -> str:
         """A checkpoint's tensor `name` as the family's table names it: its first matching prefix replaced."""
         for prefix, table in self.prefixes:

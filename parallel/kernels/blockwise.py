@@ -52,6 +52,11 @@ def padded_blocks(length: int, block: int) -> tuple[int, int]:
     return size, -(-length // size)
 
 
+def even_chunk(length: int, at_most: int) -> int:
+    """The largest chunk size of at most `at_most` that divides `length` (1 at worst): equal chunks, no padding."""
+    return max(d for d in range(1, min(at_most, length) + 1) if length % d == 0)
+
+
 def block_ranges(visible):
     """visible: [batch, n, m] bool -> (first, one past last) visible column per row, [batch, n] int32 (0, 0 if none)."""
     m = visible.shape[-1]

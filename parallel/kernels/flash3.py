@@ -30,8 +30,8 @@ mask). What the adaptation adds (the kinds, slots and run-time switch are parall
 - Windows: the kernel's window counts positions within a sequence, so it is the global window on a DIAGONAL call of
   consecutive indices (a document on one device, a contiguous piece); every other windowed call runs the general
   kernel.
-- FLOPs: the calls run in the scope `packed_rows_<batch>`, which train/speed.py reads to cost a flattened call as
-  `batch` rows (its operands show one).
+- FLOPs: the calls run in the scope `packed_rows_<batch>`, which train/planning/speed.py reads to cost a flattened call
+  as `batch` rows (its operands show one).
 
 `Library` holds the two calls; tests pass a dense stand-in with the same signature (tests/parallel/flash3_standin.py).
 """

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from parallel.kernels.blockwise import even_chunk
+
 CHUNK = 64
 GROUP = 16  # chunks whose terms are computed at once and rematerialised together in the backward
 
@@ -88,7 +90,7 @@ def _scan(outputs: bool, dtype: jnp.dtype, values: dict, runs: dict, state):
     heads, chunk, dv] or [chunks] zeros). A group is rematerialised in the backward: autodiff keeps the state each
     group starts from, and one group's terms at a time."""
     chunks = runs["run"].shape[0]
-    size = max(d for d in range(1, min(GROUP, chunks) + 1) if chunks % d == 0)
+    size = even_chunk(chunks, GROUP)
     grouped = lambda x: x.reshape(chunks // size, size, *x.shape[1:])
 
     def group(s, inputs):

@@ -350,7 +350,7 @@ def _barriers(held: int, streamed: int) -> tuple:
 
 
 def _call(name, body, out_type, grid, axes, scratch, interpret, *args):
-    """Runs `body` as a Mosaic GPU kernel in the scope `name` (what train/speed.py costs it by)."""
+    """Runs `body` as a Mosaic GPU kernel in the scope `name` (what train/planning/speed.py costs it by)."""
     extra = {} if interpret is None else {"interpret": interpret}
     kernel = plgpu.kernel(body, out_type=out_type, grid=grid, grid_names=axes, scratch_types=[scratch], **extra)
     with jax.named_scope(name):

@@ -1,6 +1,6 @@
 """Kernel calls named in the compiled program with the share of their (query, key) pairs a query may see, so that the
-speed estimate (train/speed.py) costs the work a kernel does rather than its dense [tq, tk] shape: a call runs in
-the named scope `attention_<kernel>_visible_<share>`, and the general kernel that cuDNN's calls run when a row
+speed estimate (train/planning/speed.py) costs the work a kernel does rather than its dense [tq, tk] shape: a call runs
+in the named scope `attention_<kernel>_visible_<share>`, and the general kernel that cuDNN's calls run when a row
 turns out to have more documents than they serve in the scope `fallback` (a run-time branch, not the usual path)."""
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 
 from parallel import kernels, targets
 from parallel.kernels import Tokens, flash3
-from train import speed
+from train.planning import speed
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -62,8 +62,9 @@ def test_gqa_calls_carry_dlse_columns_only_where_the_lse_is_read(reads_lse):
     dout, q, k, v, out, lse = calls[flash3.TARGETS[1]][:6]
     assert (dout, q, k, v, out, lse) == ((1024, 8, width), (1024, 8, width), (1024, 2, width), (1024, 2, width),
                                          (1024, 8, width), (8, 1024))  # fmt: skip
-    # the speed estimate costs the flattened calls as their 2 rows' causal pairs (train/speed.py; the visible share
-    # to 4 digits), the Pallas fallback not at all: a forward of width 128, a backward of 2.5 forwards of its width
+    # the speed estimate costs the flattened calls as their 2 rows' causal pairs (train/planning/speed.py; the visible
+    # share to 4 digits), the Pallas fallback not at all: a forward of width 128, a backward of 2.5 forwards of its
+    # width
     tally = speed.schedule_cost(text, targets.TARGETS["h100"].rates, [0])
     pairs = 2 * 8 * LENGTH * (LENGTH + 1) / 2
     wanted = 2 * pairs * 2 * 128 + 2.5 * 2 * pairs * 2 * width

@@ -17,10 +17,10 @@ from parallel import targets
 from parallel.mesh import make_mesh
 from parallel.planning import make_plan
 from tests.train.tiny_run import REPO, TINY
-from train import environment
 from train.config import load_config
-from train.memory import GPU_PLAN_OPTIONS, abstract_batch, for_accelerator
 from train.optimizer import make_optimizer
+from train.planning.memory import GPU_PLAN_OPTIONS, abstract_batch, for_accelerator
+from train.process import environment
 from train.state import TrainState, abstract_state
 from train.step import make_train_step
 

@@ -22,7 +22,7 @@ import pytest
 
 from parallel import targets
 from parallel.kernels import Options, Tokens, mosaic, pallas
-from train import speed
+from train.planning import speed
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -120,7 +120,7 @@ SPLIT = ["attention_dk", "attention_dq", "attention_dv", "attention_forward"]
 @pytest.mark.parametrize("head_dims, length, grad_dtype", MOSAIC)
 def test_mosaic_kernels_take_hoppers_calls(head_dims, length, grad_dtype):
     """Causal with a window (its bounds in the block ranges and masks); the speed estimate counts the kernels' FLOPs
-    (forward 1, dk / dv 1.5 or dk 1 and dv 0.5, dq 1: train/speed.py) on the whole padded grid, as the Triton
+    (forward 1, dk / dv 1.5 or dk 1 and dv 0.5, dq 1: train/planning/speed.py) on the whole padded grid, as the Triton
     kernels'."""
     dqk, dv = HEAD_DIMS[head_dims]
     with warnings.catch_warnings(record=True) as caught:

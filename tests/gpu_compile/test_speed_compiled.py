@@ -1,5 +1,5 @@
-"""The speed estimate (train/speed.py) of programs XLA's GPU compiler made for compile-only H100s: a matmul's FLOPs
-and an all-gather's traffic are found in the compiled schedule as the program asks for them."""
+"""The speed estimate (train/planning/speed.py) of programs XLA's GPU compiler made for compile-only H100s: a matmul's
+FLOPs and an all-gather's traffic are found in the compiled schedule as the program asks for them."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from bench import speed_calibration
 from parallel import targets
-from train import speed
+from train.planning import speed
 
 pytestmark = [
     pytest.mark.gpu_compile,

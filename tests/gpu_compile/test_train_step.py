@@ -19,7 +19,7 @@ from parallel import kernels, targets
 from parallel.kernels import flash3
 from tests.train.tiny_run import REPO
 from train.config import load_config
-from train.memory import plan_memory
+from train.planning.memory import plan_memory
 
 pytestmark = [
     pytest.mark.gpu_compile,

@@ -19,7 +19,7 @@ from models.hf import load_pretrained, save_pretrained
 from models.hf.convert import abstract_model
 from tests.models.hf_reference import hf_logits, hf_tensors, tokens
 from train import hf as cli
-from train.checkpoint import restore_model_params
+from train.checkpoints.checkpoint import restore_model_params
 from train.config import load_config
 from train.loop import run
 

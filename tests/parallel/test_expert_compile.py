@@ -11,7 +11,7 @@ from parallel.mesh import make_mesh, state_shardings
 from parallel.plan import Plan, use_plan
 from parallel.tensor import residual_spec
 from train.config import MeshConfig, load_config
-from train.memory import CPU_OPTIONS
+from train.planning.memory import CPU_OPTIONS
 
 V2_LITE = load_config("configs/models/deepseek-v2-lite.yaml").model
 

@@ -4,7 +4,7 @@ import pathlib
 
 import pytest
 
-from train import library_log
+from train.process import library_log
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from tests.models.test_hf_llama import hf_llama, hf_logits, tokens
 from tests.tiny_models import TINY_LLAMA
 from tests.train.tiny_run import REPO
 from train import hf as cli
-from train.checkpoint import Checkpointer
+from train.checkpoints.checkpoint import Checkpointer
 from train.config import MeshConfig, OptimizerConfig
 from train.errors import CheckpointError
 from train.optimizer import make_optimizer

@@ -17,8 +17,8 @@ from layers import moe, rope
 from models import dtypes, remat
 from parallel import experts, kernels, reorder, strategies
 from parallel.plan import RING_GRAD_DTYPES
-from train import data, sources
 from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config, to_dict
+from train.data import files, packing
 from train.loop import check_run_directory
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -291,8 +291,8 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "compute.dtype": ("auto", *dtypes.DTYPES),
         "optimizer.mu_dtype": ("param", *dtypes.PARAM_DTYPES),
         "compute.remat_policy": remat.POLICIES,
-        "data.format": ("auto", "text", *sources.READERS),
-        "data.packing": data.PACKINGS,
+        "data.format": ("auto", "text", *files.READERS),
+        "data.packing": packing.PACKINGS,
         "parallel.context_strategy": strategies.STRATEGIES,
         "parallel.balance_layout": [layout for layout in reorder.LAYOUTS if layout != "contiguous"],
         "parallel.expert_dispatch": ("auto", *experts.DISPATCHES),

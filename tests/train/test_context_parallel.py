@@ -27,8 +27,8 @@ from tests.train.step_reference import (
     token_losses,
 )
 from train.config import MeshConfig, ParallelConfig, load_config
-from train.environment import GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, default_environment
 from train.loop import run
+from train.process.environment import GPU_MEMORY_FRACTION, GPU_XLA_FLAGS, default_environment
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 RUN = [

@@ -12,12 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from train.config import DataConfig
-from train.data import build_dataset, upsample
+from train.data.files import TextFiles
+from train.data.held_out import split_indices
+from train.data.packing import pack
+from train.data.pipeline import build_dataset, upsample
+from train.data.sources import open_source, stdlib_source
+from train.data.tokenizer import ByteTokenizer
 from train.errors import DataError
-from train.held_out import split_indices
-from train.packing import pack
-from train.sources import TextFiles, open_source, stdlib_source
-from train.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 SEQ_LEN = 16
@@ -300,7 +301,7 @@ def test_first_fit_packing_places_every_piece_once(corpus):
 
 @pytest.mark.parametrize("packing", ["concat", "first_fit"])
 def test_packer_keeps_inputs_and_targets_in_lockstep(packing):
-    lengths = [3, 16, 14, 1, 7, 9, 16, 5]  # chunks of at most seq_len, as train/token_stream.py gives them
+    lengths = [3, 16, 14, 1, 7, 9, 16, 5]  # chunks of at most seq_len, as train/data/token_stream.py gives them
     examples = [
         {"inputs": ids, "targets": ids + 1, "positions": ids % 100}
         for ids in (np.arange(n, dtype=np.int32) + 100 * i for i, n in enumerate(lengths))

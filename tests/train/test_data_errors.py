@@ -10,12 +10,13 @@ import re
 import numpy as np
 import pytest
 
-from train import sources
 from train.config import DataConfig
-from train.data import build_dataset
+from train.data import files
+from train.data.files import SNIFF_BYTES
+from train.data.pipeline import build_dataset
+from train.data.sources import open_source
+from train.data.tokenizer import ByteTokenizer
 from train.errors import DataError
-from train.sources import SNIFF_BYTES, open_source
-from train.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 
@@ -46,7 +47,7 @@ def unreadable(monkeypatch):
         return call
 
     if os.geteuid() == 0:
-        monkeypatch.setattr(sources, "open", failing(open), raising=False)
+        monkeypatch.setattr(files, "open", failing(open), raising=False)
         monkeypatch.setattr(os, "scandir", failing(os.scandir))
 
     def make(path):

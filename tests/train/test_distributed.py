@@ -20,11 +20,11 @@ from flax.traverse_util import flatten_dict
 from models.hf.convert import abstract_model
 from parallel.mesh import make_mesh, process_rows
 from tests.train.tiny_run import REPO, SMALL, TINY, records
-from train import distributed
-from train.checkpoint import restore_model_params
+from train.checkpoints.checkpoint import restore_model_params
 from train.config import ConfigError, MeshConfig
-from train.distributed import Cluster, resolve
 from train.hf import checkpoint_config
+from train.process import distributed
+from train.process.distributed import Cluster, resolve
 
 
 def test_flags_override_the_environment():

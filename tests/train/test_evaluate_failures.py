@@ -19,9 +19,9 @@ from flax import nnx
 
 import models
 from tests.train import tiny_run
-from train import library_log
 from train.config import load_config, to_dict
 from train.evaluate import main as evaluate_main
+from train.process import library_log
 
 GRID = ["--lengths", "128", "--depths", "0.5", "--tasks", "single", "--samples", "1"]
 TEXT = "def double(x):\n    return 2 * x\n\n" * 400
@@ -80,7 +80,7 @@ def test_an_abandoned_task_s_exception_goes_to_the_library_log(capsys, caplog, l
 
 INTERRUPTED = """
 import runpy, sys, time
-from train import haystack
+from train.data import haystack
 def waiting(*args, **kwargs):  # the grid, long enough for Ctrl-C
     print("grid started", flush=True)
     time.sleep(120)

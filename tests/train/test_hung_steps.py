@@ -1,6 +1,6 @@
 """Hung steps: the Gated DeltaNet hybrid trains through the command on 8 CPU devices (its chunk inverse is no
 triangular solve, whose XLA:CPU kernel waited on the thread pool the devices' threads held), and a single-process
-run whose step waits past --step-timeout ends with one line and exit status 5 (train/stall.py)."""
+run whose step waits past --step-timeout ends with one line and exit status 5 (train/process/stall.py)."""
 
 import re
 import subprocess
@@ -15,8 +15,8 @@ import pytest
 
 from parallel.kernels.gated_delta import unit_lower_inverse
 from tests.train.tiny_run import REPO
-from train.peers import PEER_LOST
-from train.stall import StallWatch
+from train.process.peers import PEER_LOST
+from train.process.stall import StallWatch
 
 QUICK = [
     "train.steps=2",

@@ -17,8 +17,8 @@ import models
 from models.hf.convert import abstract_model
 from tests.models.test_families import DSA
 from tests.train import tiny_run
-from train.architecture import check_architecture
-from train.checkpoint import read_model_params, restore_model_params
+from train.checkpoints.architecture import check_architecture
+from train.checkpoints.checkpoint import read_model_params, restore_model_params
 from train.config import load_config
 from train.config.imported import MODEL_YAML
 from train.errors import CheckpointError

@@ -20,9 +20,9 @@ from tests.train.test_config import fake_import
 from train import hf
 from train.__main__ import main
 from train.config import ConfigError, DataConfig, ModelConfig, load_config
+from train.data.sources import open_source
+from train.data.tokenizer import make_tokenizer
 from train.errors import DataError
-from train.sources import open_source
-from train.tokenizer import make_tokenizer
 
 TINY = pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

@@ -11,11 +11,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from train import held_out
 from train.config import DataConfig
-from train.data import build_dataset
-from train.sources import JsonlFile, open_source
-from train.tokenizer import ByteTokenizer
+from train.data import held_out
+from train.data.files import JsonlFile
+from train.data.pipeline import build_dataset
+from train.data.sources import open_source
+from train.data.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 MB = 10**6
@@ -83,7 +84,7 @@ def test_a_folder_of_1_1_and_3_mb_files_holds_out_eval_fraction_of_its_text(tmp_
 @pytest.mark.parametrize("kind", ["txt", "jsonl"])
 def test_a_long_document_is_one_segment_across_its_rows(tmp_path, kind, packing):
     """2.5 MB is read in three pieces of about a MiB, none of them a row's length: no bos, eos, new segment or
-    position jump where one piece meets the next; each row's positions from 0 (train/packing.py says why)."""
+    position jump where one piece meets the next; each row's positions from 0 (train/data/packing.py says why)."""
     text = book(2_500_000)
     cfg = config(write(tmp_path, text, kind), packing=packing)
     batches = list(build_dataset(cfg, TOK, batch_size=1, num_epochs=1))

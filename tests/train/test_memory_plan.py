@@ -11,19 +11,21 @@ import pytest
 from flax import nnx
 
 import train.__main__ as cli
-import train.memory
+import train.planning.memory
 from models.remat import POLICIES, RematError, check_policy, remat
 from parallel.mesh import batch_sharding, make_mesh
 from parallel.planning import make_plan
 from tests.train import tiny_run
 from train.__main__ import DOES_NOT_FIT, main
 from train.config import ConfigError, load_config
-from train.data import BATCH_FIELDS, build_dataset
-from train.memory import MemoryPlan, format_plan, parse_size
+from train.data.batch import BATCH_FIELDS
+from train.data.pipeline import build_dataset
+from train.data.tokenizer import make_tokenizer
 from train.optimizer import make_optimizer
+from train.planning.memory import MemoryPlan, format_plan
+from train.planning.sizes import parse_size
 from train.state import create_state
 from train.step import make_train_step
-from train.tokenizer import make_tokenizer
 
 TINY = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 SMALL = [
@@ -132,9 +134,9 @@ def test_fits_verdict_at_the_boundary():
 
 
 def test_auto_dtype_is_planned_as_bfloat16_and_an_explicit_one_kept():
-    assert train.memory.for_accelerator(load_config(TINY, ["compute.dtype=auto"])).compute.dtype == "bfloat16"
+    assert train.planning.memory.for_accelerator(load_config(TINY, ["compute.dtype=auto"])).compute.dtype == "bfloat16"
     explicit = load_config(TINY, ["compute.dtype=float32"])
-    assert train.memory.for_accelerator(explicit) is explicit
+    assert train.planning.memory.for_accelerator(explicit) is explicit
 
 
 @pytest.mark.parametrize(

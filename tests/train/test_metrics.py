@@ -15,14 +15,14 @@ import pytest
 
 from tests.train import tiny_run
 from tests.train.tiny_run import records
-from train.checkpoint import Checkpointer
+from train.checkpoints.checkpoint import Checkpointer
 from train.config import load_config
-from train.data import build_dataset
-from train.flops import Peak, batch_flops, document_lengths, flops_per_token, matmul_params
+from train.data.pipeline import build_dataset
+from train.data.tokenizer import make_tokenizer
 from train.loop import run
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule
-from train.tokenizer import make_tokenizer
+from train.planning.flops import Peak, batch_flops, document_lengths, flops_per_token, matmul_params
 
 STEPS = 5
 SAVE_SECONDS = 1.0  # each checkpoint save is slowed by this much: none of it may show in a step_time

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from train.config import Config, ConfigError, DataConfig, MixtureComponent, load_config
-from train.data import build_dataset, splits
+from train.data.pipeline import build_dataset, splits
+from train.data.sources import Mixture, open_source
+from train.data.tokenizer import ByteTokenizer
 from train.needle import filler_tokens
-from train.sources import Mixture, open_source
-from train.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 
@@ -48,7 +48,7 @@ def take(dataset, n):
 
 
 def test_each_component_gets_its_weight_of_the_bytes_in_train_and_eval(mixture, caplog):
-    with caplog.at_level(logging.INFO, logger="train.data"):
+    with caplog.at_level(logging.INFO, logger="train.data.pipeline"):
         train = take(build_dataset(mixture, TOK, batch_size=8), 150)
     assert share_of_a(train) == pytest.approx(0.75, abs=0.03)
     assert "75.0% of the bytes" in caplog.text and "25.0% of the bytes" in caplog.text
@@ -73,7 +73,7 @@ def test_each_component_is_held_out_on_its_own(mixture):
 
 def test_long_documents_are_upsampled_within_their_component(mixture, caplog):
     upsampled = DataConfig(**{**vars(mixture), "long_document_bytes": 200, "long_document_weight": 3.0})
-    with caplog.at_level(logging.INFO, logger="train.data"):
+    with caplog.at_level(logging.INFO, logger="train.data.pipeline"):
         batches = take(build_dataset(upsampled, TOK, batch_size=8), 150)
     assert share_of_a(batches) == pytest.approx(0.75, abs=0.03)  # the mix is kept
     assert "long documents" in caplog.text and str(mixture.mixture[1].source) in caplog.text

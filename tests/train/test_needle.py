@@ -15,10 +15,10 @@ from parallel.planning import make_plan
 from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import COMPUTE, initial_state, keep_grads
 from train.config import MeshConfig, ParallelConfig
-from train.haystack import TASKS, answer_positions, build, score
+from train.data.haystack import TASKS, answer_positions, build, score
+from train.data.tokenizer import ByteTokenizer
 from train.needle import model_predictor
 from train.state import abstract_model, abstract_state
-from train.tokenizer import ByteTokenizer
 
 TOKENIZER = ByteTokenizer()
 FILLER = TOKENIZER.encode("The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. ")

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import models
-from train.checkpoint import structure_difference
+from train.checkpoints.checkpoint import structure_difference
 from train.config import ComputeConfig, ConfigError, ModelConfig, OptimizerConfig, load_config
 from train.optimizer import decay_mask, learning_rate_schedule, make_optimizer
 from train.step import accumulated_grads, frozen_mask

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from tests.train.tiny_run import REPO, SMALL, TINY
-from train import peers
 from train.__main__ import main
+from train.process import peers
 
 
 class Store:

@@ -10,7 +10,7 @@ import pytest
 
 from parallel.mesh import make_mesh
 from tests.tiny_models import TINY_LLAMA
-from train.checkpoint import Checkpointer, restore_model_params
+from train.checkpoints.checkpoint import Checkpointer, restore_model_params
 from train.config import MeshConfig, OptimizerConfig
 from train.optimizer import make_optimizer
 from train.state import abstract_state

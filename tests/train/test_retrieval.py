@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from train.config import DataConfig
+from train.data.retrieval import DOCUMENTS
+from train.data.sources import open_source
 from train.errors import DataError
-from train.retrieval import DOCUMENTS
-from train.sources import open_source
 
 NEEDLE = re.compile(r" The special magic number for (\S+) is (\d+)\. ")
 QUESTION = re.compile(r" What (?:is|are all) the special magic numbers? for (\S+)\? (?:It is|They are) ([\d, ]+)$")

@@ -13,10 +13,10 @@ from flax import nnx
 from parallel.mesh import make_mesh
 from tests.train.tiny_run import REPO
 from train.config import MeshConfig, load_config
+from train.data.tokenizer import make_tokenizer
 from train.optimizer import make_optimizer
 from train.sample import generate
 from train.state import create_state
-from train.tokenizer import make_tokenizer
 
 PROMPT = "de"  # BOS + 2 bytes + 2 new tokens = 5 positions: padded on every mesh below
 

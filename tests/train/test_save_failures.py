@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from tests.train.tiny_run import REPO, SMALL, TINY
-from train.checkpoint import Checkpointer
+from train.checkpoints.checkpoint import Checkpointer
 from train.config import load_config
 from train.errors import CheckpointError
 from train.loop import run
@@ -61,14 +61,16 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_the_first_step(tmp
     def read_only(*args, **kwargs):
         raise OSError(errno.EROFS, "Read-only file system", str(kwargs.get("dir")))
 
-    monkeypatch.setattr("train.checkpoint.tempfile.TemporaryFile", read_only)
+    monkeypatch.setattr("train.checkpoints.checkpoint.tempfile.TemporaryFile", read_only)
     with pytest.raises(CheckpointError, match=r"cannot write checkpoints to .*checkpoints \(OSError: \[Errno 30\]"):
         run(load_config(TINY, [*SMALL, f"train.output_dir={tmp_path / 'run'}", "train.steps=2"]))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_checkpoint_directory_without_room_for_one_checkpoint_is_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr("train.checkpoint.shutil.disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000))
+    monkeypatch.setattr(
+        "train.checkpoints.checkpoint.shutil.disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000)
+    )
     checkpoints = Checkpointer(tmp_path, keep=1)
     state = (nnx.State({"w": nnx.Param(jnp.zeros(1000))}), nnx.State({}))
     with pytest.raises(CheckpointError, match=r"one checkpoint needs about 3.91 KiB but .* has 1000 B free"):
@@ -78,7 +80,7 @@ def test_a_checkpoint_directory_without_room_for_one_checkpoint_is_refused(tmp_p
 
 UNRAISABLE = """
 import logging, sys
-from train import library_log
+from train.process import library_log
 library_log.install()
 class Finalizer:
     def __del__(self):

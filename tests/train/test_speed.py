@@ -1,5 +1,5 @@
-"""The speed estimate (train/speed.py) on hand-written scheduled programs whose FLOPs, bytes and collectives are
-known: each gives the time the rates imply, a collective hidden behind compute costs nothing while one waited for
+"""The speed estimate (train/planning/speed.py) on hand-written scheduled programs whose FLOPs, bytes and collectives
+are known: each gives the time the rates imply, a collective hidden behind compute costs nothing while one waited for
 at once costs its transfer, loops, conditionals and the attention kernels' visible share count as documented."""
 
 import collections
@@ -11,7 +11,7 @@ import pytest
 from parallel.kernels import visible
 from parallel.kernels.arguments import Options, Tokens
 from parallel.targets import H100_RATES
-from train import hlo, speed
+from train.planning import hlo, speed
 
 RATES = H100_RATES
 N = 8192

@@ -1,6 +1,6 @@
-"""SIGTERM while training (train/stop.py), in a process whose main thread never reaches a step boundary (it waits,
-as in a collective whose peer never comes): a second signal, or the grace after the first, ends it at once with one
-line naming the checkpoint to resume from and exit status 128 + SIGTERM, as does the first once the steps are over;
+"""SIGTERM while training (train/process/stop.py), in a process whose main thread never reaches a step boundary (it
+waits, as in a collective whose peer never comes): a second signal, or the grace after the first, ends it at once with
+one line naming the checkpoint to resume from and exit status 128 + SIGTERM, as does the first once the steps are over;
 a first signal the loop has heard waits for its save, however long."""
 
 import signal
@@ -13,7 +13,7 @@ from tests.train.tiny_run import REPO
 
 BLOCKED = """
 import os, pathlib, signal, sys, threading, time
-from train import stop
+from train.process import stop
 stop.GRACE_S = 2.0
 checkpoints = pathlib.Path(sys.argv[1])
 (checkpoints / "4").mkdir(parents=True)

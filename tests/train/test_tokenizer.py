@@ -4,7 +4,7 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from train.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
+from train.data.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",

@@ -17,16 +17,16 @@ from flax import nnx
 from models.hf.convert import abstract_model
 from tests.train import tiny_run
 from tests.train.tiny_run import records
-from train import divergence
-from train.checkpoint import Checkpointer, restore_model_params
+from train.checkpoints.checkpoint import Checkpointer, restore_model_params
+from train.checkpoints.lock import run_directory_lock
 from train.config import ConfigError, load_config
+from train.data.haystack import needle_grid
+from train.data.tokenizer import make_tokenizer
 from train.errors import CheckpointError, NonFiniteLoss
 from train.evaluate import main as evaluate_main
-from train.haystack import needle_grid
-from train.lock import run_directory_lock
 from train.loop import run
 from train.needle import filler_tokens
-from train.tokenizer import make_tokenizer
+from train.process import divergence
 
 SMALL = [
     *tiny_run.SMALL,
@@ -235,7 +235,9 @@ def test_init_from_another_architecture_or_a_damaged_checkpoint_makes_no_run_dir
 
 def test_a_full_disk_stops_before_saving_and_keeps_the_checkpoints(trained, tmp_path, monkeypatch):
     output = copy_run(trained, tmp_path)
-    monkeypatch.setattr("train.checkpoint.shutil.disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000))
+    monkeypatch.setattr(
+        "train.checkpoints.checkpoint.shutil.disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000)
+    )
     checkpoints = Checkpointer(output / "checkpoints", keep=1)
     state = (nnx.State({"w": nnx.Param(jnp.zeros(1000))}), nnx.State({}))
     with pytest.raises(

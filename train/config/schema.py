@@ -21,8 +21,8 @@ class MixtureComponent:
     max_documents: int | None = None  # as data.max_documents; unset = data.max_documents
 
 
-# the values of data.format and data.packing, as train/sources.py and train/data.py implement them (a config
-# is read without importing the data libraries)
+# the values of data.format and data.packing, as train/data/sources.py and train/data/pipeline.py implement them (a
+# config is read without importing the data libraries)
 FORMATS = ("auto", "text", "jsonl", "parquet")
 PACKINGS = ("concat", "first_fit")
 
@@ -32,7 +32,7 @@ class DataConfig:
     """Where text comes from and how it becomes packed rows of `seq_len` tokens."""
 
     # stdlib (the standard library's Python sources) | retrieval (synthetic needle-retrieval documents,
-    # train/retrieval.py) | a text file, a folder, a .jsonl or a .parquet file
+    # train/data/retrieval.py) | a text file, a folder, a .jsonl or a .parquet file
     source: str = "stdlib"
     format: str = "auto"  # auto | text | jsonl | parquet
     text_field: str = "text"  # the JSONL field or Parquet column holding the text

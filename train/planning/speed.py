@@ -1,5 +1,5 @@
 """How fast a compiled train step will run on the GPUs it was compiled for, estimated from the program XLA's GPU
-compiler made (train/hlo.py reads it), at the rates of parallel/targets.py; nothing runs.
+compiler made (train/planning/hlo.py reads it), at the rates of parallel/targets.py; nothing runs.
 
 The schedule is walked in order on two streams, as a GPU runs it: kernels one after another on the compute stream;
 collectives on a second stream, an async one from its start to its done, so the compute scheduled between them
@@ -27,8 +27,8 @@ import numpy as np
 from parallel.kernels.flash3 import TARGETS as FLASH3_TARGETS
 from parallel.kernels.visible import FALLBACK
 from parallel.targets import Rates
-from train import hlo
-from train.flops import PEAK_FLOPS, flops_per_token
+from train.planning import hlo
+from train.planning.flops import PEAK_FLOPS, flops_per_token
 
 FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
@@ -316,7 +316,7 @@ def _attention_flops(instruction: hlo.Instruction, computation: hlo.Computation,
 @dataclasses.dataclass(frozen=True)
 class SpeedEstimate:
     """One step's estimated seconds, split as `tally` says, for `tokens` tokens over `devices` GPUs whose model FLOPs
-    (train/flops.py: one document per row) are `model_flops`, against a `peak` FLOP/s per GPU."""
+    (train/planning/flops.py: one document per row) are `model_flops`, against a `peak` FLOP/s per GPU."""
 
     tally: Tally
     tokens: int
@@ -349,7 +349,7 @@ def schedule_cost(text: str, rates: Rates, hosts: list[int]) -> Tally:
 
 
 def estimate_plan(plan, rates: Rates) -> SpeedEstimate:
-    """The speed estimate of a GPU memory plan's compiled step (train.memory.MemoryPlan) at `rates`."""
+    """The speed estimate of a GPU memory plan's compiled step (train.planning.memory.MemoryPlan) at `rates`."""
     config = plan.config
     tokens = config.train.batch_size * config.data.seq_len
     peak = next((f for kind, f in PEAK_FLOPS.items() if plan.device_kind.startswith(kind)), PEAK_FLOPS["NVIDIA H100"])

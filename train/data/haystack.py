@@ -2,7 +2,7 @@
 inserted at chosen depths, then a question and its answer, and their scoring by teacher forcing: a row is
 retrieved when every answer token is the model's argmax after the tokens before it. The tasks follow RULER's
 needle tasks: `single` (one needle), `multi_key` (the asked key among distractor keys), `multi_value` (several
-values of one key, all asked for in order of appearance). The retrieval data source (train/retrieval.py) and the
+values of one key, all asked for in order of appearance). The retrieval data source (train/data/retrieval.py) and the
 needle evaluation of a model (train/needle.py) both build on it.
 """
 

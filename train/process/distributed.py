@@ -16,8 +16,8 @@ import typing
 import jax
 
 from parallel import compat
-from train import peers
 from train.config import ConfigError
+from train.process import peers
 
 CONFIG_KEY = "longctx/config/"  # + process index: that process's resolved config, as JSON
 ENVIRONMENT = {
@@ -74,7 +74,7 @@ def resolve(coordinator: str | None, num_processes: int | None, process_id: int 
 
 
 def initialize(cluster: Cluster, timeouts: peers.Timeouts, checkpoints: pathlib.Path | None) -> None:
-    """Joins the cluster (blocks until every process has joined) and starts watching the peers (train/peers.py;
+    """Joins the cluster (blocks until every process has joined) and starts watching the peers (train/process/peers.py;
     `checkpoints` names the step to resume from when one stops); CPU collectives across processes use gloo."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:

@@ -1,4 +1,4 @@
-"""Packing token chunks (train/token_stream.py) into rows of seq_len tokens.
+"""Packing token chunks (train/data/token_stream.py) into rows of seq_len tokens.
 
 A row is {"tokens", "targets", "segment_ids", "positions"}, int32 [seq_len] each: segment_ids 1, 2, ... per segment
 of the row and 0 on padding (whose other fields are 0); positions count from each segment's first token, so a

@@ -1,4 +1,5 @@
-"""`data.source: retrieval`: synthetic needle-retrieval documents, each one haystack of train/haystack.py's `build`.
+"""`data.source: retrieval`: synthetic needle-retrieval documents, each one haystack of train/data/haystack.py's
+`build`.
 
 A document is filler sentences with needles ("The special magic number for KEY is VALUE.") at random depths, then
 the question and its answer: exactly the rows `python -m train.evaluate` scores, without the bos. Documents are
@@ -16,9 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from train.data.haystack import TASKS, build
+from train.data.tokenizer import ByteTokenizer
 from train.errors import DataError
-from train.haystack import TASKS, build
-from train.tokenizer import ByteTokenizer
 
 DOCUMENTS = 100_000
 SEED = 0

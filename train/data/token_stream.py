@@ -2,7 +2,7 @@
 
 A span's ids are [bos] + its text's tokens + [eos], bos where it starts its document and eos where it ends it (the head
 of a document whose tail is held out has no eos, the tail no bos). Position p of a span is ids[p]: its place in the
-span, counting on across pieces (train/packing.py counts a row's from its segments' starts). A chunk is `inputs`
+span, counting on across pieces (train/data/packing.py counts a row's from its segments' starts). A chunk is `inputs`
 ids[p:p+n], `targets` ids[p+1:p+n+1] and `positions` p..p+n-1 (int32 [n] each) of one span; chunks never cross a
 multiple of seq_len of positions, so a span longer than seq_len is cut into seq_len pieces as first_fit packing wants
 them. At most the pieces that hold the next chunk are held.
@@ -16,8 +16,8 @@ from typing import Any
 import grain
 import numpy as np
 
-from train.held_out import Spans
-from train.tokenizer import Tokenizer
+from train.data.held_out import Spans
+from train.data.tokenizer import Tokenizer
 
 STATE_KEYS = ("order", "piece", "skip", "position")
 # span indices are worked out ahead in threads: a shuffled index takes grain about a millisecond

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from train.cuts import PIECE_BYTES
-from train.sources import Mixture, Source
+from train.data.cuts import PIECE_BYTES
+from train.data.sources import Mixture, Source
 
 if TYPE_CHECKING:  # the run config imports the data modules' registries
     from train.config.schema import DataConfig

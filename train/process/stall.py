@@ -1,6 +1,6 @@
 """A hung step in a single-process run: the loop waits on the devices for a step's results (`waiting`), and a
 wait past the timeout ends the process with one line naming the step and the checkpoint to resume from, exit
-status PEER_LOST, as a hung peer does in a `--distributed` run (train/peers.py).
+status PEER_LOST, as a hung peer does in a `--distributed` run (train/process/peers.py).
 
 Only waits on results count: compiling (a step's first dispatch, the first evaluation) is no wait, so the timeout
 starts after the compile. A daemon thread looks every `interval` seconds.
@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from train.peers import PEER_LOST, resume_hint
+from train.process.peers import PEER_LOST, resume_hint
 
 
 class StallWatch:

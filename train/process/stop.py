@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 
-from train.peers import resume_hint
+from train.process.peers import resume_hint
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 GRACE_S = 120.0  # from the first signal to the step boundary that saves

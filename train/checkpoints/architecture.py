@@ -8,7 +8,7 @@ import dataclasses
 import pathlib
 
 from models.config import ModelConfig
-from train.checkpoint import read_meta
+from train.checkpoints.checkpoint import read_meta
 from train.config import from_dict, load_config
 from train.config.imported import MODEL_YAML
 from train.errors import CheckpointError

@@ -32,7 +32,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from train.errors import CheckpointError
-from train.memory import format_size
+from train.planning.sizes import format_size
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import time
 
 import jax
@@ -24,8 +23,9 @@ from parallel.experts import expert_axes, ragged_as_capacity
 from parallel.mesh import batch_sharding, make_mesh
 from parallel.planning import make_plan
 from train.config import Config, check_built_mesh
-from train.data import BATCH_FIELDS
+from train.data.batch import BATCH_FIELDS
 from train.optimizer import make_optimizer
+from train.planning.sizes import format_size
 from train.state import TrainState, abstract_state
 from train.step import make_train_step
 
@@ -39,22 +39,6 @@ GPU_PLAN_OPTIONS = {"xla_gpu_enable_cub_radix_sort": False}
 GPU_UNKNOWNS = (
     "not in the GPU compiler's numbers: cuDNN's workspace (chosen at run time), autotuning (none without a device: "
     "default GEMM and fusion configs), CUB sort scratch (sorts planned without CUB)"
-)
-
-SIZE_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-SIZE_FORMS = (
-    "bytes (141e9, 85899345920) or a number with a unit: 80GiB, 80GB, 512MiB (KB MB GB TB = 1000^n bytes, "
-    "KiB MiB GiB TiB = 1024^n bytes)"
 )
 
 
@@ -94,24 +78,6 @@ class MemoryPlan:
 
     def fits(self, device_memory: int) -> bool:
         return self.total <= device_memory
-
-
-def parse_size(text: str) -> int:
-    """'80GiB', '80GB', '141e9', '512 MiB' -> bytes (>= 1); a ValueError names the value and the allowed forms."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", text)
-    unit = (match.group(2).upper() or "B") if match else None
-    size = int(float(match.group(1)) * SIZE_UNITS[unit]) if unit in SIZE_UNITS else 0
-    if size < 1:
-        raise ValueError(f"device memory {text!r} is not a size of at least 1 byte; use {SIZE_FORMS}")
-    return size
-
-
-def format_size(size: int) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1: 1536 -> '1.50 KiB'."""
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if abs(size) >= SIZE_UNITS[unit.upper()]:
-            return f"{size / SIZE_UNITS[unit.upper()]:.2f} {unit}"
-    return f"{size} B"
 
 
 def shard_bytes(tree) -> int:

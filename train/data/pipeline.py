@@ -1,9 +1,9 @@
 """Grain input pipeline: documents -> token ids -> packed rows of seq_len tokens -> numpy batches.
 
-    held-out split (train/held_out.py) -> span indices -> upsample long documents, shuffle + repeat (train)
+    held-out split (train/data/held_out.py) -> span indices -> upsample long documents, shuffle + repeat (train)
     -> mix the components of data.mixture by weight -> read and tokenize a piece at a time, chunks of at most
-    seq_len tokens (train/token_stream.py) -> pack (concat: split documents across rows | first_fit: seq_len
-    pieces, pad rows; train/packing.py) -> model fields -> batch -> thread prefetch
+    seq_len tokens (train/data/token_stream.py) -> pack (concat: split documents across rows | first_fit: seq_len
+    pieces, pad rows; train/data/packing.py) -> model fields -> batch -> thread prefetch
 
 Each batch is a dict of numpy arrays, all [batch_size, seq_len]:
     tokens      int32    input ids (tokenizer.pad_id on padding)
@@ -34,25 +34,18 @@ from typing import TYPE_CHECKING
 import grain
 import numpy as np
 
+from train.data.batch import BATCH_FIELDS
+from train.data.held_out import Spans, splits
+from train.data.packing import PACKINGS, pack
+from train.data.sources import Mixture, Source, open_source
+from train.data.token_stream import Chunks
+from train.data.tokenizer import Tokenizer
 from train.errors import DataError
-from train.held_out import Spans, splits
-from train.packing import PACKINGS, pack
-from train.sources import Mixture, Source, open_source
-from train.token_stream import Chunks
-from train.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # the run config imports this module's registries
     from train.config.schema import DataConfig
 
 log = logging.getLogger(__name__)
-# the arrays of a batch, each [rows, seq_len], and their dtypes
-BATCH_FIELDS = {
-    "tokens": np.int32,
-    "targets": np.int32,
-    "segment_ids": np.int32,
-    "positions": np.int32,
-    "loss_mask": np.float32,
-}
 SPLITS = ("train", "eval")
 MIN_PACKING_BINS = 16  # first_fit packs into max(batch_size, this) rows at a time
 PREFETCH_BATCHES = 2
@@ -110,7 +103,7 @@ def describe_mixture(names: Sequence[str], counts: Sequence[int], shares: np.nda
 
 
 def _model_row(row: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarray]:
-    """Packed row (train/packing.py) -> the batch fields of the module docstring, each [seq_len]."""
+    """Packed row (train/data/packing.py) -> the batch fields of the module docstring, each [seq_len]."""
     real = row["segment_ids"] > 0
     fields = {
         "tokens": np.where(real, row["tokens"], pad_id),
@@ -150,7 +143,7 @@ def build_dataset(
     two ids are skipped. Train documents are shuffled by cfg.seed when cfg.shuffle, each epoch in a different
     deterministic order; eval keeps document order. num_epochs=None repeats forever; with a finite count the last
     incomplete batch is dropped, so a small split can give no batch at all. `source` (default: open_source(cfg))
-    lets the train and eval splits share one opened, indexed source. The eval split is train/held_out.py's: whole
+    lets the train and eval splits share one opened, indexed source. The eval split is train/data/held_out.py's: whole
     documents, and the tails of documents too long to hold out whole.
 
     With data.mixture, each component is split, upsampled and shuffled on its own, then documents are drawn from
