@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import logging
 import pathlib
 import sysconfig
 from collections.abc import Sequence
@@ -38,8 +37,6 @@ if TYPE_CHECKING:  # the run config imports this module's registries
     from train.config.schema import DataConfig, MixtureComponent
 
 SOURCE_HELP = '"stdlib", "retrieval", a text file, a folder, a .jsonl/.json file or a .parquet file'
-
-log = logging.getLogger(__name__)
 
 
 class Source(Protocol):
