@@ -98,6 +98,14 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
     def rows_of(tree, rows):
         return jax.tree.map(lambda x: x[:, rows], tree)
 
+    def put_rows(total, part, rows: slice):
+        """`total` [batch, n, ...] with `part` in its rows `rows` (static): an in-place update, never a scatter, and
+        `part` itself where it is every row (a full-row update would scatter by a zero-length index constant, which
+        crashes XLA 0.11.2's GPU compiler inside a shard_map)."""
+        if rows.indices(total.shape[1]) == (0, total.shape[1], 1):
+            return part
+        return lax.dynamic_update_slice_in_dim(total, part, rows.start, axis=1)
+
     def forward_call(q, fixed, travel, sides, step_options):
         """(out, lse) float32 of queries q against the K/V that `travel` holds or makes."""
         return impl.forward(q, *expand(fixed, travel), *sides, options=step_options, out_dtype=jnp.float32)
@@ -127,7 +135,7 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         step_options = dataclasses.replace(options, causal=shape.causal)
         part = forward_call(q[:, rows], fixed, rows_of(travel, keys), sides, step_options)
         merged_out, merged_lse = merge(out[:, rows], lse[:, rows], *part)
-        return out.at[:, rows].set(merged_out), lse.at[:, rows].set(merged_lse)
+        return put_rows(out, merged_out, rows), put_rows(lse, merged_lse, rows)
 
     def step_forward(q, seg, fixed, travel, seg_all, rank, source, out, lse):
         """(out, lse) float32 with the local queries' step against the piece of `source` merged in."""
@@ -152,8 +160,8 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
             dout[:, rows], None if dlse is None else dlse[:, rows], step_options, dq[:, rows],
             rows_of(dtravel, keys), dfixed,
         )  # fmt: skip
-        put = lambda total, part: total.at[:, keys].set(part)
-        return dq.at[:, rows].set(part[0]), jax.tree.map(put, dtravel, part[1]), part[2]
+        put = lambda total, part: put_rows(total, part, keys)
+        return put_rows(dq, part[0], rows), jax.tree.map(put, dtravel, part[1]), part[2]
 
     def step_backward(res: Residuals, travel, dout, dlse, rank, source, grads):
         """grads (dq float32, dtravel, dfixed) with the terms of local queries against the piece `travel` of `source`
