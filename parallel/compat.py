@@ -12,6 +12,7 @@ package); nothing here imports JAX's private modules until it is used.
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import importlib.util
 import inspect
 import re
@@ -64,6 +65,18 @@ def cuda_plugin() -> str | None:
         except ModuleNotFoundError:  # no jax_plugins package at all
             return None
     return None
+
+
+def stack() -> str:
+    """The installed JAX, jaxlib and accelerator plugins with their versions ('jax 0.11.2, jaxlib 0.11.2,
+    jax-cuda13-plugin 0.11.2'): what a compile depends on, named before one that may crash the process."""
+    found = []
+    for name in ("jax", "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "libtpu"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return ", ".join(found)
 
 
 def cudnn_attention():

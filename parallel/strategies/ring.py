@@ -83,6 +83,11 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
 
     to_next = [(i, (i + 1) % shards) for i in range(shards)]
 
+    def middle_steps(body, carry):
+        """`carry` through the steps 1 .. shards - 2 (none with 2 shards: no scan of length zero, whose empty stacked
+        residuals would enter the backward's shard_map as zero-size operands)."""
+        return lax.scan(body, carry, jnp.arange(1, shards - 1))[0] if shards > 2 else carry
+
     def own_sides(seg, rank) -> tuple[Tokens, Tokens]:
         """The step against our own piece: indices are positions (static: the kernel knows the causal diagonal at
         trace time; a piece is in increasing global order), or with a window our global indices."""
@@ -192,7 +197,7 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
             return (arriving, *step_forward(q, seg, fixed, travel, seg_all, rank, (rank - i) % shards, out, lse)), None
 
         if shards > 1:
-            (last, out, lse), _ = lax.scan(body, (in_flight, out, lse), jnp.arange(1, shards - 1))
+            last, out, lse = middle_steps(body, (in_flight, out, lse))
             out, lse = step_forward(q, seg, fixed, last, seg_all, rank, (rank + 1) % shards, out, lse)
         return (out.astype(q.dtype), lse), Residuals(q, travel, fixed, seg, seg_all, out, lse)
 
@@ -224,7 +229,7 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
             return (arriving, step_backward(res, travel, dout, dlse, rank, source, (dq, dtravel, dfixed))), None
 
         if shards > 1:
-            (last, (dq, dtravel, dfixed)), _ = lax.scan(body, (in_flight, grads), jnp.arange(1, shards - 1))
+            last, (dq, dtravel, dfixed) = middle_steps(body, (in_flight, grads))
             dtravel = lax.ppermute(dtravel, axis, to_next)
             grads = step_backward(res, last, dout, dlse, rank, (rank + 1) % shards, (dq, dtravel, dfixed))
             dq, dtravel, dfixed = grads

@@ -14,15 +14,12 @@ import pytest
 
 import train.__main__ as cli
 from parallel import targets
-from parallel.mesh import make_mesh
 from parallel.planning import make_plan
+from tests.train.lowered_step import lowered_step
 from tests.train.tiny_run import REPO, TINY
 from train.config import load_config
-from train.optimizer import make_optimizer
-from train.planning.memory import GPU_PLAN_OPTIONS, abstract_batch, for_accelerator
+from train.planning.memory import GPU_PLAN_OPTIONS, for_accelerator
 from train.process import environment
-from train.state import TrainState, abstract_state
-from train.step import make_train_step
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -54,24 +51,6 @@ def plan_from_cli(argv, compiles=None):
     return status, printed.getvalue(), plans[0] if plans else None
 
 
-def gpu_step_module(config, devices) -> str:
-    """The train step a GPU run builds for `devices` (train/loop.py: its state, batch and plan), lowered here: the
-    module the plan must have compiled."""
-    mesh = make_mesh(config.mesh, devices)
-    graphdef, state, shardings = abstract_state(
-        config.model, make_optimizer(config.optimizer, config.train.steps), mesh, compute=config.compute
-    )
-    with jax.set_mesh(mesh):
-        step = make_train_step(
-            TrainState(graphdef, state, shardings),
-            mesh,
-            chunk_size=config.compute.loss_chunk_size,
-            accum_steps=config.train.grad_accum_steps,
-            plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0]),
-        )
-        return step.lower(state, abstract_batch(config, mesh)).as_text()
-
-
 @pytest.mark.parametrize(
     "config, overrides",
     [
@@ -87,7 +66,7 @@ def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     run_config = for_accelerator(load_config(config, [*overrides, "checkpoint.init_from="]))
     # the plan compiled, once and with its options (a run's differ only in CUB's sort, see GPU_PLAN_OPTIONS), the
     # step a GPU run lowers; its numbers are that executable's
-    assert compiles == [(gpu_step_module(run_config, targets.compile_only_devices("h100", 8)), GPU_PLAN_OPTIONS)]
+    assert compiles == [(lowered_step(run_config, targets.compile_only_devices("h100", 8)).as_text(), GPU_PLAN_OPTIONS)]
     stats = plan.compiled.memory_analysis()
     assert (plan.arguments, plan.temporaries, plan.outputs, plan.aliased) == (
         stats.argument_size_in_bytes,

@@ -11,6 +11,7 @@ XLA's GPU compiler runs as for a real run, with the kernels and expert dispatch 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import time
 
@@ -25,9 +26,12 @@ from parallel.planning import make_plan
 from train.config import Config, check_built_mesh
 from train.data.batch import BATCH_FIELDS
 from train.optimizer import make_optimizer
+from train.planning.compiling import compiling
 from train.planning.sizes import format_size
 from train.state import TrainState, abstract_state
 from train.step import make_train_step
+
+log = logging.getLogger(__name__)
 
 # The plan never runs the step: on CPU, LLVM's optimisations are skipped (the compile takes about half as long;
 # the buffer assignment is the same, as the tests check against a default compile)
@@ -136,6 +140,7 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
             accum_steps=config.train.grad_accum_steps,
             plan=(plan := make_plan(parallel_config, mesh.shape, device)),
         )
+        log.info(compiling(plan, mesh))
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else GPU_PLAN_OPTIONS)
         seconds = time.perf_counter() - start

@@ -10,15 +10,19 @@ from parallel import first_contact
 from parallel.plan import Plan
 from parallel.planning import make_plan
 from train.config import Config
+from train.planning.compiling import compiling
 
 log = logging.getLogger(__name__)
 
 
 def run_plan(config: Config, mesh) -> Plan:
-    """The checked plan for `config` on `mesh`; logs which attention kernel (and expert dispatch) the run uses."""
+    """The checked plan for `config` on `mesh`; logs what it compiles before anything does, then which attention
+    kernel (and expert dispatch) the run uses."""
     m = config.model
+    plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0])
+    log.info(compiling(plan, mesh))  # first contact compiles the kernels, the step the model
     plan = first_contact.checked(
-        make_plan(config.parallel, mesh.shape, mesh.devices.flat[0]),
+        plan,
         mesh,
         dims=m.attention_dims,
         experts=(m.num_experts, m.experts_per_token),
