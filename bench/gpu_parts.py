@@ -1,6 +1,7 @@
 """The parts of bench/on_gpu.py, one per call: `python -m bench.gpu_parts PART --rows FILE --scratch DIR [--argument A]
-[--rehearse]`. Each appends one JSON object per measurement to FILE as soon as it has it, so a part stopped at its
-time limit still reports what it measured. `ceilings` leaves its matmul rate in DIR for the parts after it.
+[--rehearse] [--fault F]`. Each appends one JSON object per measurement to FILE as soon as it has it, so a part
+stopped at its time limit still reports what it measured, and runs its measurements as cases (bench/gpu_cases.py),
+so that a crash costs one row. `ceilings` leaves its matmul rate in DIR for the parts after it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.gpu_cases import Rows
 from bench.timing import best_time
 from bench.train_throughput import prepare, timed_step
 from parallel import compat, kernels
@@ -43,18 +45,6 @@ CANDIDATES = ("cudnn", "jax-cudnn", "flash3", "pallas", "pallas-triton")
 GPU_ONLY = ("cudnn", "jax-cudnn", "flash3", "pallas-triton")  # pallas-triton is pallas off Hopper (and interpreted)
 PACKED = ("cudnn", "flash3")  # kernels on packed rows: the calls they cannot serve run their general kernel, Pallas
 ERRORS = ("out", "lse", "dq", "dk", "dv")
-
-
-class Rows:
-    """Appends rows to a JSON-lines file, one flushed line each."""
-
-    def __init__(self, path: pathlib.Path):
-        self.path = path
-
-    def add(self, **row) -> None:
-        with open(self.path, "a") as file:
-            file.write(json.dumps(row) + "\n")
-        print(row, flush=True)
 
 
 def ceilings(rows: Rows, args) -> None:
@@ -270,19 +260,23 @@ def kernel_bakeoff(rows: Rows, args) -> None:
             if skipped:
                 bakeoff_row(rows, **where, candidate=candidate, note=skipped)
                 continue
-            if want is None and length == lengths[0]:
-                want = blockwise_reference(inputs, tokens)
-            try:
-                measured = measure(
-                    outputs_and_grads(attend(candidate, tokens, args.rehearse)), inputs, flops, want, args
-                )
-            except ImportError as error:
-                bakeoff_row(rows, candidate=candidate, note=f"not available: {_first_line(error)}")
-                running.remove(candidate)
+            if rows.done(**where, candidate=candidate):  # measured, or crashed, before the part started again
                 continue
-            except Exception as error:  # noqa: BLE001 - any failure is this candidate's row; the next one runs
-                bakeoff_row(rows, **where, candidate=candidate, note=f"{type(error).__name__}: {_first_line(error)}")
-                continue
+            with rows.case(**where, candidate=candidate):
+                if want is None and length == lengths[0]:
+                    want = blockwise_reference(inputs, tokens)
+                try:
+                    measured = measure(
+                        outputs_and_grads(attend(candidate, tokens, args.rehearse)), inputs, flops, want, args
+                    )
+                except ImportError as error:
+                    bakeoff_row(rows, **where, candidate=candidate, note=f"not available: {_first_line(error)}")
+                    running.remove(candidate)
+                    continue
+                except Exception as error:  # noqa: BLE001 - any failure is this candidate's row; the next one runs
+                    note = f"{type(error).__name__}: {_first_line(error)}"
+                    bakeoff_row(rows, **where, candidate=candidate, note=note)
+                    continue
             note = "" if want is not None else f"errors at T={lengths[0]:,} only (blockwise is too slow here)"
             bakeoff_row(rows, **where, candidate=candidate, **measured, note=note)
 
@@ -356,12 +350,15 @@ def llama_1b(rows: Rows, args) -> None:
     if args.rehearse and kernel not in ("auto", "blockwise"):
         rows.add(kernel=kernel, T=length, skipped="the fused kernels run on GPUs only")
         return
+    if rows.done(kernel=kernel, T=length):  # it crashed before the part started again
+        return
     base = "configs/tiny.yaml" if args.rehearse else "configs/models/llama3.2-1b.yaml"
     overrides = ["compute.dtype=bfloat16", "compute.remat_policy=full", f"data.seq_len={length}"]
     overrides += ["train.batch_size=1", f"parallel.attention_kernel={kernel}", "mesh.fsdp=1"]
-    run = prepare(load_config(REPO / base, overrides))
-    steps = 1 if args.rehearse or length > 65536 else 2
-    run.seconds = [timed_step(run) for _ in range(steps)]
+    with rows.case(kernel=kernel, T=length):
+        run = prepare(load_config(REPO / base, overrides))
+        steps = 1 if args.rehearse or length > 65536 else 2
+        run.seconds = [timed_step(run) for _ in range(steps)]
     seconds = min(run.seconds)
     tokens_per_sec = length / seconds
     model_tflops = tokens_per_sec * flops_per_token(run.config.model, length) / 1e12
@@ -395,12 +392,15 @@ def main() -> None:
     parser.add_argument("--argument", default="")
     parser.add_argument("--rehearse", action="store_true")
     parser.add_argument("--seconds", type=float, default=600, help="the part's time box (bench/on_gpu.py's)")
+    parser.add_argument("--fault", action="append", default=[], help="a planted fault (bench/gpu_cases.py)")
     args = parser.parse_args()
     if args.rehearse:
         jax.config.update("jax_platforms", "cpu")
     elif jax.default_backend() != "gpu":
         sys.exit(f"bench/gpu_parts.py {args.part}: no GPU (JAX's backend is {jax.default_backend()}); use --rehearse")
-    PARTS[args.part](Rows(args.rows), args)
+    rows = Rows(args.rows, args.part, tuple(args.fault))
+    rows.fault({"part": args.part, "argument": args.argument})
+    PARTS[args.part](rows, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """One prepared run on a machine with one GPU (H100 or H200): every part in its own interpreter, each time-boxed, a
-failing or timed-out part does not stop the rest, and the whole run ends within 8 minutes. Writes `on_gpu.md` (a
-markdown table per part), `on_gpu.json` (every row, each part's status) and `on_gpu.log` (what the parts printed) to
-`--out DIR`.
+failing or timed-out part does not stop the rest, and the whole run ends within 8 minutes. A part runs its
+measurements as cases (bench/gpu_cases.py): one that crashes the interpreter (a signal: XLA's compiler, a kernel) or
+runs past its time becomes that case's row, and the part goes on in a new interpreter with the cases left. Writes
+`on_gpu.md` (a markdown table per part), `on_gpu.json` (every row, each part's status) and `on_gpu.log` (what the
+parts printed) to `--out DIR`.
 
 Parts (bench/gpu_parts.py):
   ceilings      versions, device name and memory; a large bf16 matmul's TFLOP/s and a device-to-device copy's GB/s
@@ -21,71 +23,129 @@ wheels it lacks first (bench/gpu_wheels.sh prepares them; docs/gpus.md).
 
     PYTHONPATH=. python bench/on_gpu.py --out /tmp/on_gpu
     PYTHONPATH=. python bench/on_gpu.py --out /tmp/on_gpu --rehearse
+    PYTHONPATH=. python bench/on_gpu.py --out /tmp/on_gpu --rehearse --only kernels --fault crash:T=128   # a crash
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
+
+from bench.gpu_cases import Rows, case_file, parse_fault, running_case
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-# (part, argument, seconds allowed): the order they run in, the most valuable first. Each part also stops at DEADLINE
-# seconds after the run started; a part with no time left is not run (its status says so). The boxes add up to
-# DEADLINE, so that every part gets its whole box.
+# (part, argument, seconds allowed, seconds a case may take or None: the part's): the order they run in, the most
+# valuable first. Each part also stops at DEADLINE seconds after the run started; a part with no time left is not run
+# (its status says so). The boxes add up to DEADLINE, so that every part gets its whole box.
 PARTS = (
-    ("ceilings", "", 25),
-    ("kernels", "", 150),  # what its box reaches of bakeoff_order (bench/gpu_parts.py), most important first
-    ("llama_1b", "auto:131072", 150),  # compile 40-60 s, then a warm-up and a timed step of 15-25 s each
-    ("kernel_tests", "", 90),  # cuDNN, FlashAttention-3 and Pallas over 12 workers (cuDNN and Pallas: 78 s over 8)
-    ("tiny_train", "", 55),  # 42 s on an H200
+    ("ceilings", "", 25, None),
+    # what its box reaches of bakeoff_order (bench/gpu_parts.py), most important first; a case compiles a kernel's
+    # forward and backward at one shape and times three calls
+    ("kernels", "", 150, 60),
+    ("llama_1b", "auto:131072", 150, None),  # compile 40-60 s, then a warm-up and a timed step of 15-25 s each
+    ("kernel_tests", "", 90, None),  # cuDNN, FlashAttention-3 and Pallas over 12 workers (cuDNN, Pallas: 78 s over 8)
+    ("tiny_train", "", 55, None),  # 42 s on an H200
 )
 DEADLINE = 470  # seconds: the whole run ends within 8 minutes
 REHEARSAL_SLOWER = 3  # a rehearsal's time boxes: CPU compiles and steps are slower than a GPU's, even at toy sizes
+POLL = 0.2  # seconds between looks at a running part
 
 
-def run_part(name: str, argument: str, seconds: float, scratch: pathlib.Path, rehearse: bool, log) -> dict:
-    """Runs one part in its own interpreter for at most `seconds`; its rows (whatever it wrote before a time-out or
-    failure) and its status: ok, failed (exit status) or timed out."""
-    rows_file = scratch / f"{name}-{argument.replace(':', '-') or 'all'}.jsonl"
-    command = [sys.executable, "-m", "bench.gpu_parts", name, "--rows", str(rows_file), "--scratch", str(scratch)]
-    command += ["--argument", argument] * bool(argument) + ["--rehearse"] * rehearse + ["--seconds", f"{seconds:.0f}"]
+class Part(NamedTuple):
+    """One part to run: its name and argument, its time box and the time one of its cases may take."""
+
+    name: str
+    argument: str
+    seconds: float
+    case_seconds: float | None
+
+
+def run_part(part: Part, scratch: pathlib.Path, rehearse: bool, faults: list[str], log) -> dict:
+    """Runs one part in its own interpreter for at most its box; its rows (whatever it wrote before a time-out or
+    failure) and its status: ok, failed (exit status), crashed (the signal) or timed out. When the interpreter dies
+    inside a case (bench/gpu_cases.py), or the case runs past its time, that case gets a row saying so and the part
+    starts again in a new interpreter with the box's time left, skipping the cases that have rows."""
+    rows_file = scratch / f"{part.name}-{part.argument.replace(':', '-') or 'all'}.jsonl"
+    command = [sys.executable, "-m", "bench.gpu_parts", part.name, "--rows", str(rows_file), "--scratch", str(scratch)]
+    command += ["--argument", part.argument] * bool(part.argument) + ["--rehearse"] * rehearse
+    command += [item for fault in faults for item in ("--fault", fault)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    label = f"{name} {argument}".strip()
-    log.write(f"\n===== {label} (at most {seconds:.0f} s)\n")
+    label = f"{part.name} {part.argument}".strip()
+    log.write(f"\n===== {label} (at most {part.seconds:.0f} s)\n")
     log.flush()
-    start = time.perf_counter()
-    try:
-        done = subprocess.run(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=seconds)
-        status = "ok" if done.returncode == 0 else f"failed (exit status {done.returncode})"
-    except subprocess.TimeoutExpired:
-        status = f"timed out after {seconds:.0f} s"
+    start, statuses = time.perf_counter(), []
+    while (left := part.seconds - (time.perf_counter() - start)) >= 1:
+        status, case = run_once([*command, "--seconds", f"{left:.0f}"], env, left, part.case_seconds, rows_file, log)
+        statuses.append(status)
+        if case is None:
+            break
+        fields = case["fields"]
+        note = f"{status}; the part went on in a new interpreter"
+        Rows(rows_file, part.name).add(**fields, note=note)
+        log.write(f"===== {label}: {fields} {status}\n")
     elapsed = time.perf_counter() - start
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines()] if rows_file.exists() else []
+    rows = Rows(rows_file, part.name).rows()
+    status = statuses[-1] if len(set(statuses)) == 1 else ", then ".join(statuses)
     log.write(f"===== {label}: {status}, {elapsed:.1f} s\n")
     log.flush()
-    return {"part": name, "argument": argument, "status": status, "seconds": round(elapsed, 1), "rows": rows}
+    return {"part": part.name, "argument": part.argument, "status": status, "seconds": round(elapsed, 1), "rows": rows}
 
 
-def selected(only: set[str]) -> list[tuple[str, str, float]]:
-    """PARTS, or those named in `only`: a part's name, or PART=ARGUMENT (its time box, this argument)."""
+def run_once(command, env, seconds: float, case_seconds: float | None, rows_file: pathlib.Path, log):
+    """(status, the case it died in or None) of one interpreter of a part, stopped after `seconds`, or once a case
+    has run `case_seconds`."""
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    start, status = time.perf_counter(), None
+    while status is None and process.poll() is None:
+        case = running_case(rows_file)
+        if time.perf_counter() - start > seconds:
+            status = stop(process, f"timed out after {seconds:.0f} s")
+        elif case is not None and case_seconds is not None and time.time() - case["started"] > case_seconds:
+            status = stop(process, f"timed out after {case_seconds:.0f} s")
+        else:
+            time.sleep(POLL)
+    code = process.returncode
+    if status is None:
+        status = (
+            "ok"
+            if code == 0
+            else f"crashed ({signal.Signals(-code).name})"
+            if code < 0
+            else f"failed (exit status {code})"
+        )
+    case = running_case(rows_file) if code != 0 else None
+    case_file(rows_file).unlink(missing_ok=True)  # the next interpreter starts in no case
+    return status, case
+
+
+def stop(process: subprocess.Popen, status: str) -> str:
+    """`status`, once `process` and every process it started are killed."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    return status
+
+
+def selected(only: set[str]) -> list[Part]:
+    """PARTS, or those named in `only`: a part's name, or PART=ARGUMENT (its time boxes, this argument)."""
+    parts = [Part(*entry) for entry in PARTS]
     if not only:
-        return list(PARTS)
-    boxes = {name: seconds for name, _, seconds in PARTS}
-    chosen = []
-    for name, argument, seconds in PARTS:
-        if name in only or f"{name}={argument}" in only:
-            chosen.append((name, argument, seconds))
-    chosen += [
-        (*entry.split("=", 1), boxes[entry.split("=")[0]])
-        for entry in only
-        if entry not in {f"{n}={a}" for n, a, _ in PARTS} and "=" in entry
-    ]
+        return parts
+    known = {f"{part.name}={part.argument}" for part in parts}
+    chosen = [part for part in parts if part.name in only or f"{part.name}={part.argument}" in only]
+    for entry in sorted(only - known):
+        if "=" in entry:
+            name, argument = entry.split("=", 1)
+            chosen.append(next(part for part in parts if part.name == name)._replace(argument=argument))
     return chosen
 
 
@@ -100,7 +160,7 @@ def markdown(results: list[dict], header: str) -> str:
         lines += [f"### {part}", "", statuses, ""]
         rows = [row for r in runs for row in r["rows"]]
         if rows:
-            columns = list(dict.fromkeys(key for row in rows for key in row))
+            columns = sorted(dict.fromkeys(key for row in rows for key in row), key=lambda c: c == "note")
             lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in rows]
             lines.append("")
@@ -126,25 +186,42 @@ def main() -> int:
         help="comma-separated parts, or PART=ARGUMENT (llama_1b=pallas:32768, kernels=flash3+cudnn), to run "
         "(default: all)",
     )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        help="with --rehearse: plant a fault in the cases it names, crash|hang:FIELD=VALUE[,...] "
+        "(crash:candidate=pallas,T=128; part=NAME names a part), to check that the run survives it",
+    )
+    parser.add_argument("--case-seconds", type=float, help="the time a case may take (default: each part's own)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     only = set(filter(None, args.only.split(",")))
-    unknown = sorted(entry for entry in only if entry.split("=")[0] not in {name for name, _, _ in PARTS})
+    names = dict.fromkeys(entry[0] for entry in PARTS)
+    unknown = sorted(entry for entry in only if entry.split("=")[0] not in names)
     if unknown:
-        parser.error(
-            f"--only {', '.join(unknown)}: unknown part; choose from {', '.join(dict.fromkeys(p[0] for p in PARTS))}"
-        )
+        parser.error(f"--only {', '.join(unknown)}: unknown part; choose from {', '.join(names)}")
+    if args.fault and not args.rehearse:
+        parser.error("--fault goes with --rehearse")
+    for fault in args.fault:
+        try:
+            parse_fault(fault)
+        except ValueError as error:
+            parser.error(f"--fault: {error}")
     results = []
     with tempfile.TemporaryDirectory() as scratch, open(args.out / "on_gpu.log", "w") as log:
         start = time.perf_counter()
-        for name, argument, seconds in selected(only):
+        for part in selected(only):
             slower = REHEARSAL_SLOWER if args.rehearse else 1
-            seconds = min(seconds, DEADLINE - (time.perf_counter() - start) / slower) * slower
+            seconds = min(part.seconds, DEADLINE - (time.perf_counter() - start) / slower) * slower
+            case_seconds = args.case_seconds or (part.case_seconds and part.case_seconds * slower)
+            part = part._replace(seconds=seconds, case_seconds=case_seconds)
             if seconds < 5:
-                results.append(dict(part=name, argument=argument, status="not run: no time left", seconds=0, rows=[]))
+                results.append(dict(part=part.name, argument=part.argument, status="not run: no time left", seconds=0,
+                                    rows=[]))  # fmt: skip
             else:
-                results.append(run_part(name, argument, seconds, pathlib.Path(scratch), args.rehearse, log))
-            print(f"{name} {argument}: {results[-1]['status']} ({results[-1]['seconds']} s)", flush=True)
+                results.append(run_part(part, pathlib.Path(scratch), args.rehearse, args.fault, log))
+            print(f"{part.name} {part.argument}: {results[-1]['status']} ({results[-1]['seconds']} s)", flush=True)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     header = f"## On one GPU{' (rehearsal on CPU)' * args.rehearse}, {when}"
     (args.out / "on_gpu.json").write_text(json.dumps({"rehearse": args.rehearse, "parts": results}, indent=1))

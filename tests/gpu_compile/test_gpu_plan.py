@@ -26,6 +26,9 @@ pytestmark = [
     pytest.mark.skipif(not targets.plugin_installed(), reason=f"needs XLA's GPU compiler: {targets.GPU_INSTALL}"),
 ]
 INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
+# a Mosaic GPU kernel's serialized module and its hash, whose bytes differ between two lowerings of one kernel in a
+# process on JAX 0.11.2
+KERNEL_BYTES = re.compile(r'(kernel_hash|module) = "(?:[^"\\]|\\.)*"')
 OVERRIDES = [  # the GPU default kernel (auto: cuDNN on Hopper), the tiny Llama's ring step test_train_step.py leaves
     "model.num_layers=2",
     "mesh.fsdp=2",
@@ -66,7 +69,10 @@ def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     run_config = for_accelerator(load_config(config, [*overrides, "checkpoint.init_from="]))
     # the plan compiled, once and with its options (a run's differ only in CUB's sort, see GPU_PLAN_OPTIONS), the
     # step a GPU run lowers; its numbers are that executable's
-    assert compiles == [(lowered_step(run_config, targets.compile_only_devices("h100", 8)).as_text(), GPU_PLAN_OPTIONS)]
+    run_step = lowered_step(run_config, targets.compile_only_devices("h100", 8)).as_text()
+    assert [(without_kernel_bytes(text), options) for text, options in compiles] == [
+        (without_kernel_bytes(run_step), GPU_PLAN_OPTIONS)
+    ]
     stats = plan.compiled.memory_analysis()
     assert (plan.arguments, plan.temporaries, plan.outputs, plan.aliased) == (
         stats.argument_size_in_bytes,
@@ -79,6 +85,11 @@ def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides):
     assert f"device memory {cli.format_size(usable)}: fits" in text
     assert "gpu compiler's buffer assignment" in text and "cuDNN's workspace" in text
     assert_estimated(text)
+
+
+def without_kernel_bytes(text: str) -> str:
+    """A lowered module's text with Mosaic GPU's serialized kernels left out (their calls and operands kept)."""
+    return KERNEL_BYTES.sub(r'\1 = ""', text)
 
 
 def assert_estimated(text: str) -> None:
