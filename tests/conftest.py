@@ -75,7 +75,7 @@ FLOOR = tuple(int(part) for part in importlib.metadata.version("jax").split(".")
 def pytest_collection_modifyitems(items):
     """The GPU compiles (the longest tests) first: with pytest-xdist no worker is left alone with one at the end. On
     the floor stack the `newest_stack` variants skip: the floor checks each path once (every strategy and kernel),
-    the newest stack, which GPU machines run, every variant."""
+    the newest stack every variant (.ci/run: the GPU machines' JAX 0.11.2 compiles for GPUs too)."""
     items.sort(key=lambda item: item.get_closest_marker("gpu_compile") is None)
     if FLOOR:
         skip = pytest.mark.skip(reason="a further variant, checked on the newest stack (JAX >= 0.11) only")

@@ -2,11 +2,10 @@
 strategy x attention kernel on llama-tiny, deepseek-tiny and qwen3_5-tiny (also as Qwen3.5-MoE): packed rows,
 scattered tensor parallelism, expert parallelism with the capacity and the ragged dispatch. Each is what `python -m
 train CONFIG --plan --target h100 --devices 8` compiles, and each checks that the kernel it names is the one in the
-compiled program. Every case is slow (the GPU compiler takes 20-150 s each; deepseek-tiny's ring x cuDNN, V3's
-recipe, 135 s): the default run compiles the tiny Llama's ring step with cuDNN (the default path, with its Pallas
-fallback) in tests/gpu_compile/test_gpu_plan.py on the newest stack, FlashAttention-3's calls in
-tests/gpu_compile/test_flash3_kernel.py (its ring's calls run on CPU in tests/parallel/test_flash3.py), and the
-ring's cuDNN steps on the floor in tests/gpu_compile/test_ring_cudnn.py. No case may leave the SPMD partitioner a
+compiled program. The GPU compiler takes 20-150 s a case, so most are slow; every stack CI builds (the floor, the GPU
+machines' JAX 0.11.2 and the newest) compiles EVERY_STACK: the tiny Llama's ring and usp steps with each kernel (the
+ring's with cuDNN, the default path with its Pallas fallback, through the plan command in
+tests/gpu_compile/test_gpu_plan.py) and deepseek-tiny's latent ring with cuDNN. No case may leave the SPMD partitioner a
 reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full rematerialization" on stderr); the
 embedding lookup over fsdp x context was one (parallel/lookup.py).
 
@@ -65,6 +64,14 @@ EXPERT_MODELS = ("deepseek", "qwen3_5_moe")
 # Pallas on an H100: Mosaic GPU's kernels (parallel/kernels/mosaic.py)
 CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": 'custom_call_target="mosaic_gpu', "flash3": "dew_flash3_mha_varlen"}
 INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
+# The steps every supported JAX compiles, the GPU machines' too (.ci/run): the ring and usp with each kernel (the ring
+# x cuDNN through the plan command in tests/gpu_compile/test_gpu_plan.py), and the latent ring with cuDNN; XLA 0.11.2's
+# GPU compiler once crashed on the ring alone (tests/train/test_shard_map_operands.py)
+EVERY_STACK = {
+    *(("llama", "ring", kernel) for kernel in KERNELS if kernel != "cudnn"),
+    *(("llama", "usp", kernel) for kernel in KERNELS),
+    ("deepseek", "ring", "cudnn"),
+}
 
 
 def overrides(model: str, strategy: str, kernel: str) -> list[str]:
@@ -82,9 +89,10 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """Slow (see the docstring); FlashAttention-3's cases skip where its wheel is not installed."""
+    """Slow (see the docstring) but for EVERY_STACK; FlashAttention-3's cases skip where its wheel is not
+    installed."""
     wheel = pytest.mark.skipif(kernel == "flash3" and bool(flash3.missing()), reason=flash3.missing() or "")
-    return [pytest.mark.slow, wheel]
+    return [wheel] if (model, strategy, kernel) in EVERY_STACK else [pytest.mark.slow, wheel]
 
 
 def cases() -> list:
