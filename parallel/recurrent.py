@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec
 from parallel.kernels import gated_delta as kernel
 from parallel.mesh import logical_spec
 from parallel.plan import current_plan
-from parallel.strategies.common import axis_names, axis_shards, global_index, mention_unit_axes
+from parallel.strategies.common import axis_names, axis_shards, global_index, layout_shards, mention_unit_axes
 
 NO_SEGMENT = -1  # the segment id of rows before the row's start: no real token has it
 
@@ -61,7 +61,7 @@ def pieces(length: int, plan, mesh) -> Pieces:
     split = plan.strategy != "none" and mesh is not None and not mesh.empty
     names = axis_names(plan.axis)
     shards = axis_shards(mesh, names) if split else 1
-    laid = 1 if mesh is None or mesh.empty else axis_shards(mesh, names[:1] if plan.strategy == "usp" else names)
+    laid = 1 if mesh is None or mesh.empty else layout_shards(mesh, plan.axis)
     index = global_index(length, plan, laid)
     fine = index.reshape(max(shards, laid), -1)  # a device's rows, or the layout's rank's when finer
     cuts = np.unique(

@@ -25,7 +25,14 @@ from parallel.kernels.top_k import top_k
 from parallel.latent import Latent
 from parallel.mesh import logical_spec
 from parallel.plan import current_plan
-from parallel.strategies.common import axis_shards, global_index, local_piece, mention_unit_axes, specs
+from parallel.strategies.common import (
+    axis_shards,
+    global_index,
+    layout_shards,
+    local_piece,
+    mention_unit_axes,
+    specs,
+)
 
 
 class Index(NamedTuple):
@@ -83,10 +90,11 @@ def _run(local, q, latent: Latent, index: Index, segment_ids, scale, *, attends:
     return _sharded(local, mesh, plan, queries, latent.tokens, index, seg, attends)
 
 
-def _row_tokens(seg, plan, axis=None, shards: int = 1):
+def _row_tokens(seg, plan, axis=None, shards: int = 1, laid: int = 1):
     """A device's query tokens and the row's key tokens, from its segment ids [batch, n] (gathered over `axis` when
-    the row is split in `shards`) -> (q_tokens, kv_tokens)."""
-    order = global_index(seg.shape[1] * shards, plan, shards)
+    the row is split in `shards`, in the plan's layout for `laid` ranks: parallel.strategies.common.layout_shards)
+    -> (q_tokens, kv_tokens)."""
+    order = global_index(seg.shape[1] * shards, plan, laid)
     if shards == 1:
         return Tokens(seg, jnp.asarray(order)), Tokens(seg, jnp.asarray(order))
     q_tokens = Tokens(seg, local_piece(order, shards, lax.axis_index(axis)))
@@ -129,12 +137,12 @@ def _sharded(local, mesh, plan, queries, tokens, index: Index, seg, attends: boo
     index_specs = (PartitionSpec(*seg_spec, None, None), PartitionSpec(*seg_spec, None), PartitionSpec(*seg_spec, None))
     unit = lambda spec: mention_unit_axes(spec, mesh)
     in_specs = (unit(q_spec), unit(rows_spec), Index(*map(unit, index_specs)), unit(seg_spec))
-    shards, heads_axis = axis_shards(mesh, axis), logical_spec(("heads",), mesh)[0]
+    shards, laid, heads_axis = axis_shards(mesh, axis), layout_shards(mesh, axis), logical_spec(("heads",), mesh)[0]
     heads_axis = heads_axis if heads_axis is not None and axis_shards(mesh, heads_axis) > 1 else None
 
     def run(queries, rows, index, seg):
         rows, keys = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (rows[0], index.keys))
-        q_tokens, kv_tokens = _row_tokens(seg, plan, axis, shards)
+        q_tokens, kv_tokens = _row_tokens(seg, plan, axis, shards, laid)
         return local(queries, rows, index._replace(keys=keys), q_tokens, kv_tokens, heads_axis=heads_axis)
 
     out_specs = (unit(q_spec), unit(seg_spec)) if attends else unit(seg_spec)

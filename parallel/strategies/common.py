@@ -26,6 +26,13 @@ def axis_shards(mesh, axis) -> int:
     return math.prod(mesh.shape[name] for name in axis_names(axis))
 
 
+def layout_shards(mesh, axis) -> int:
+    """The ranks a row's layout is balanced over (parallel.planning.to_layout's `context`): the axis's, or the ring
+    axis's under usp (axis = (ring axis, ulysses axis)), whose pieces the row is then split into in (ring, ulysses)
+    order."""
+    return axis_shards(mesh, axis_names(axis)[0])
+
+
 def specs(mesh, axis):
     """PartitionSpecs of q / k-v ([batch, length, heads, d]) and segment ids ([batch, length]) with the length
     sharded over `axis`, batch and heads as the logical rules say."""

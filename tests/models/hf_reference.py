@@ -4,10 +4,10 @@ with rows split over context devices."""
 
 import copy
 import dataclasses
+import math
 import pathlib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from flax import nnx
@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM
 
 from models.hf import load_pretrained, save_pretrained
 from parallel.plan import Plan, use_plan
-from parallel.reorder import from_balanced, to_balanced
+from parallel.planning import to_layout
+from parallel.reorder import from_balanced
 
 
 def save_random(model, path, max_shard_size="10MB"):
@@ -93,10 +94,12 @@ def assert_case_round_trips(tmp_path: pathlib.Path, config_class, model_class, f
     assert {key: getattr(model.config, key) for key in expected} == expected
 
 
-def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True) -> None:
-    """`model`'s logits with rows split over 8 context devices in `plan` (one long document; two packed) equal
-    transformers' `reference` (run in float64 when `float64`) for each document alone, to 1e-4."""
-    length, shards, first = 48, 8, 29  # the packed row: a document of 29 tokens, then one of 19
+def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True, mesh_axes=(("context", 8),)) -> None:
+    """`model`'s logits with rows split over the mesh of `mesh_axes` ((name, size) pairs of 8 devices) in `plan`
+    (one long document; two packed), laid out as the trainer lays them (parallel.planning.to_layout over the context
+    axis, then split over the plan's axis), equal transformers' `reference` (run in float64 when `float64`) for each
+    document alone, to 1e-4."""
+    length, first = 48, 29  # the packed row: a document of 29 tokens, then one of 19
     ids = np.random.default_rng(0).integers(0, SIZES["vocab_size"], size=(2, length)).astype(np.int32)
     positions = np.stack([np.arange(length), np.concatenate([np.arange(first), np.arange(length - first)])])
     segments = np.stack([np.ones(length), np.repeat([1, 2], [first, length - first])]).astype(np.int32)
@@ -105,15 +108,19 @@ def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True) 
     documents = np.concatenate([exact(ids[1:, :first]), exact(ids[1:, first:])], axis=1)  # each document alone
     expected = np.concatenate([exact(ids[:1]), documents])
 
-    mesh = Mesh(np.array(jax.devices()[:shards]), ("context",))
+    names, sizes = zip(*mesh_axes, strict=True)
+    mesh = Mesh(np.array(jax.devices()[: math.prod(sizes)]).reshape(sizes), names)
+    context = dict(mesh_axes)["context"]
+    batch = to_layout(dict(ids=ids, positions=positions, segments=segments), plan, context)
     graph, state = nnx.split(model)
-    balanced = lambda x: to_balanced(jnp.asarray(x), shards, layout="dual_chunk")
 
     def logits(state, ids, positions, segments):
-        out = nnx.merge(graph, state)(balanced(ids), balanced(positions), balanced(segments))
-        return from_balanced(out, shards, layout="dual_chunk")
+        out = nnx.merge(graph, state)(ids, positions, segments)
+        if plan.layout == "contiguous":
+            return out
+        return from_balanced(out, context, layout=plan.layout, stripe=plan.stripe)
 
     with jax.set_mesh(mesh), use_plan(dataclasses.replace(plan, mesh=mesh)):
-        actual = np.asarray(jax.jit(logits)(state, ids, positions, segments))
+        actual = np.asarray(jax.jit(logits)(state, batch["ids"], batch["positions"], batch["segments"]))
     assert np.abs(expected).max() > 1.0
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)

@@ -71,14 +71,34 @@ def test_import_and_export_match_transformers(tmp_path, kind):
     assert np.abs(hf_logits(reference, ids) - our_logits(model, ids)).max() > 1e-2  # the selection matters
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_rows_split_over_8_context_devices_give_transformers_logits(tmp_path, kind):
-    """Ring 8, dual_chunk: one long document and a packed row, each document longer than index_topk."""
+# every strategy over 8 devices, rows laid out as the trainer lays them (usp: dual_chunk over its 4 ring ranks, each
+# piece split over 2 Ulysses ranks); ring and usp for both families
+SPLITS = {
+    "ring-8": ("ring", (("context", 8),)),
+    "usp-4x2": ("usp", (("context", 4), ("ulysses", 2))),
+    "all_gather-8": ("all_gather", (("context", 8),)),
+    "ulysses-4": ("ulysses", (("context", 4),)),
+}
+
+
+@pytest.mark.parametrize(
+    "kind, split",
+    [
+        *((kind, split) for kind in KINDS for split in ("ring-8", "usp-4x2")),
+        ("deepseek-v3.2", "all_gather-8"),
+        ("deepseek-v3.2", "ulysses-4"),
+    ],
+)
+def test_rows_split_over_context_devices_give_transformers_logits(tmp_path, kind, split):
+    """One long document and a packed row, each document longer than index_topk."""
     config_class, model_class = KINDS[kind]
     torch.manual_seed(0)
     reference = save_random(model_class(config_class(**TINY)), tmp_path)
-    plan = Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8)
-    assert_split_rows_match(reference, load_pretrained(tmp_path), plan, float64=False)  # grouped experts: float32
+    strategy, mesh_axes = SPLITS[split]
+    axis = ("context", "ulysses") if strategy == "usp" else "context"
+    plan = Plan(strategy=strategy, axis=axis, layout="dual_chunk", block_q=8, block_kv=8)
+    # grouped experts: float32
+    assert_split_rows_match(reference, load_pretrained(tmp_path), plan, float64=False, mesh_axes=mesh_axes)
 
 
 @pytest.mark.parametrize("name, kind", [("deepseek-v3.2", "deepseek-v3.2"), ("glm-5", "glm-5")])

@@ -1,8 +1,8 @@
 """DeepSeek sparse attention split over context devices equals one device: outputs, the indexer's loss and the
 gradients of q, the latent rows, kv_b and the indexer's queries, keys and weights, on packed and unpacked rows, for
-ring 4 and ring 2 x tensor 2 (heads split) by default, and every strategy over 2, 4 or 8 devices in both balanced
-layouts (slow); the devices gather the row's latents and index keys (no K/V and no [T, T] array). The dense warm-up's
-loss likewise."""
+ring 4, ring 2 x tensor 2 (heads split) and usp 2 x 2 by default, and every strategy over 2, 4 or 8 devices in both
+balanced layouts (slow), rows laid out as the trainer lays them (balanced over the ring's ranks); the devices gather
+the row's latents and index keys (no K/V and no [T, T] array). The dense warm-up's loss likewise."""
 
 import re
 
@@ -63,6 +63,7 @@ def warmup(q, rows, kv_b, index, seg):
     [
         ("ring", 4, 1, 1, "dual_chunk"),
         ("ring", 2, 1, 2, "dual_chunk"),
+        ("usp", 2, 2, 1, "dual_chunk"),  # each ring rank's piece split over the Ulysses ranks
         *(
             pytest.param(*case, marks=pytest.mark.slow)
             for case in [
@@ -85,17 +86,16 @@ def test_context_split_matches_one_device(strategy, ring, ulysses, tensor, layou
         mesh, axis = Mesh(devices.reshape(ring, ulysses), ("context", "ulysses")), ("context", "ulysses")
     else:
         mesh, axis = Mesh(devices.reshape(ring, tensor), ("context", "tensor")), "context"
-    shards = ring * ulysses
-    order = dict(layout=layout, stripe=2, axis=1)
+    order = dict(layout=layout, stripe=2, axis=1)  # over the ring's ranks, as the trainer lays rows out (to_layout)
     q, rows, kv_b, index, w = inputs()
     cotangents = (w, jnp.asarray(np.random.default_rng(1).normal(size=(BATCH, LENGTH)), jnp.float32))
 
     def run(q, rows, kv_b, index, seg):
-        laid = lambda x: to_balanced(x, shards, **order)
+        laid = lambda x: to_balanced(x, ring, **order)
 
         def split(q, rows, kv_b, index):
             outputs = attend(laid(q), laid(rows), kv_b, [laid(x) for x in index], laid(seg))
-            return tuple(from_balanced(x, shards, **order) for x in outputs)
+            return tuple(from_balanced(x, ring, **order) for x in outputs)
 
         outputs, pull = jax.vjp(split, q, rows, kv_b, index)
         return outputs, pull(cotangents)
