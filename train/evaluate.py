@@ -30,7 +30,7 @@ import numpy as np
 from parallel.mesh import MeshError, make_mesh
 from train.checkpoints.checkpoint import model_directories, restore_model_params
 from train.config import ConfigError, check_built_mesh, load_config
-from train.data.haystack import TASKS, needle_grid
+from train.data.haystack import TASKS, check_grid, needle_grid
 from train.data.tokenizer import make_tokenizer
 from train.errors import CheckpointError, DataError, leave
 from train.hf import MODEL_YAML, TOKENIZER
@@ -124,15 +124,15 @@ def evaluate(
             f"model.vocab_size={config.model.vocab_size}; evaluate with the tokenizer the model was trained with"
         )
     filler = filler_tokens(config, tokenizer, max(lengths))
+    grid = dict(tasks=tasks, lengths=lengths, depths=depths, samples=samples, seed=config.train.seed)
+    check_grid(filler, tokenizer, **grid)  # a length too short for a task is named before anything compiles
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
     plan = run_plan(config, mesh)
     graphdef, abstract = abstract_model(config.model, mesh, compute=config.compute)
     state = restore_model_params(target.checkpoint, abstract)
     predict = functools.partial(model_predictor(graphdef, mesh, plan), state)
-    records = needle_grid(
-        predict, filler, tokenizer, tasks=tasks, lengths=lengths, depths=depths, samples=samples, seed=config.train.seed
-    )
+    records = needle_grid(predict, filler, tokenizer, **grid)
     if jax.process_index() == 0:
         out = out or target.out
         out.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,8 @@ from parallel.mesh import batch_sharding, batch_shards, length_shards
 from parallel.plan import Plan, use_plan
 from parallel.planning import to_layout
 from parallel.reorder import layout_index
-from train.data.haystack import TASKS, needle_grid
+from train.config import ConfigError
+from train.data.haystack import TASKS, check_grid, needle_grid
 from train.data.pipeline import splits
 from train.data.sources import open_source
 from train.errors import DataError
@@ -83,23 +84,26 @@ def model_predictor(graphdef, mesh, plan: Plan) -> Callable[[nnx.State, np.ndarr
 def needle_evaluation(config, mesh, plan, tokenizer, source) -> Callable[[nnx.State], dict[str, float]]:
     """The training run's needle check: model state -> {needle/<task>: mean accuracy over train.needle_lengths x
     train.needle_depths}, on haystacks of held-out text from the run's opened `source` (the same every time),
-    compiled once."""
+    compiled once. ConfigError, before anything trains, when a task is unknown or a length too short for one."""
     t = config.train
-    predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, plan)
+    tasks = t.needle_tasks or TASKS
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown:
+        raise ConfigError(f"train.needle_tasks={list(tasks)}: {', '.join(unknown)} unknown; choose from {TASKS}")
     filler = filler_tokens(config, tokenizer, max(t.needle_lengths), source)
+    grid = dict(tasks=tasks, lengths=t.needle_lengths, depths=t.needle_depths, samples=t.needle_samples, seed=t.seed)
+    try:
+        check_grid(filler, tokenizer, **grid)
+    except ValueError as error:
+        raise ConfigError(
+            f"train.needle_lengths={list(t.needle_lengths)}: {error}; give longer lengths, or choose the tasks with "
+            f"train.needle_tasks (of {', '.join(TASKS)})"
+        ) from None
+    predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, plan)
 
     def scores(model_state) -> dict[str, float]:
-        records = needle_grid(
-            functools.partial(predictor, model_state),
-            filler,
-            tokenizer,
-            tasks=TASKS,
-            lengths=t.needle_lengths,
-            depths=t.needle_depths,
-            samples=t.needle_samples,
-            seed=t.seed,
-        )
-        by_task = {task: [r["accuracy"] for r in records if r["task"] == task] for task in TASKS}
+        records = needle_grid(functools.partial(predictor, model_state), filler, tokenizer, **grid)
+        by_task = {task: [r["accuracy"] for r in records if r["task"] == task] for task in tasks}
         return {f"needle/{task}": float(np.mean(accuracies)) for task, accuracies in by_task.items()}
 
     return scores

@@ -213,7 +213,13 @@ class Trainer:
         values["learning_rate"] = float(self.schedule(step - 1))  # optax counts the updates made before this one
         values.update(self._rates(now))
         if self.cadence.evaluates_at(step):
-            values.update(self._evaluate())
+            try:
+                values.update(self._evaluate())
+            except Exception as error:  # noqa: BLE001 - an evaluation never costs the run or the step's checkpoint
+                first = (str(error).strip().splitlines() or [""])[0][:300]
+                self.logger.message(
+                    f"the evaluation at step {step} failed ({type(error).__name__}: {first}); training goes on"
+                )
         self.logger.log(step, values)
         self.last = {"step": step, **values}
         self.window.restart()

@@ -94,6 +94,9 @@ class TrainConfig:
     needle_lengths: tuple[int, ...] = ()  # needle retrieval at every evaluation at these row lengths; () = off
     needle_depths: tuple[float, ...] = (0.1, 0.5, 0.9)  # where the asked needle sits, as a share of the row
     needle_samples: int = 4  # haystacks per (length, depth)
+    # the tasks (train/data/haystack.py: single, multi_key, multi_value); () = all; each length must hold each task's
+    # needles, question and answer (checked before training starts)
+    needle_tasks: tuple[str, ...] = ()
     seed: int = 0  # the parameters' initialisation seed
     progress_bar: bool = True  # a progress bar on a terminal
     sample_tokens: int = 120  # tokens sampled from the model at the end of a run; 0 = none

@@ -88,15 +88,29 @@ def score(predict: Callable[[np.ndarray, np.ndarray], np.ndarray], haystacks: Se
     return float(np.mean(np.all(predicted == np.take_along_axis(tokens, answers, axis=1), axis=1)))
 
 
-def needle_grid(predict, filler, tokenizer, *, tasks, lengths, depths, samples: int, seed: int) -> list[dict]:
-    """One record {task, length, depth, accuracy} per grid point, each over `samples` haystacks."""
-    rng, records = np.random.default_rng(seed), []
+def needle_haystacks(filler, tokenizer, *, tasks, lengths, depths, samples: int, seed: int):
+    """(task, length, depth, its `samples` haystacks) for each grid point, in order; the same for the same seed.
+    ValueError naming the task and the length a row needs where a length is too short for a task."""
+    rng = np.random.default_rng(seed)
     for task in tasks:
         for length in lengths:
             for depth in depths:
-                haystacks = [build(task, filler, tokenizer, length, depth, rng) for _ in range(samples)]
-                records.append({"task": task, "length": length, "depth": depth, "accuracy": score(predict, haystacks)})
-    return records
+                yield task, length, depth, [build(task, filler, tokenizer, length, depth, rng) for _ in range(samples)]
+
+
+def needle_grid(predict, filler, tokenizer, **grid) -> list[dict]:
+    """One record {task, length, depth, accuracy} per grid point of `needle_haystacks(filler, tokenizer, **grid)`."""
+    return [
+        {"task": task, "length": length, "depth": depth, "accuracy": score(predict, haystacks)}
+        for task, length, depth, haystacks in needle_haystacks(filler, tokenizer, **grid)
+    ]
+
+
+def check_grid(filler, tokenizer, **grid) -> None:
+    """Every haystack of `needle_haystacks(filler, tokenizer, **grid)` builds (ValueError naming the first that
+    cannot): checked before a run trains or an evaluation compiles."""
+    for _ in needle_haystacks(filler, tokenizer, **grid):
+        pass
 
 
 _KEY_WORDS = (
