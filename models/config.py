@@ -197,6 +197,11 @@ def _check_indexer_training(m: ModelConfig) -> None:
     )
     require(m.indexer_loss_coef >= 0, f"model.indexer_loss_coef={m.indexer_loss_coef} must be >= 0")
     require(
+        m.index_topk or not (m.index_heads or m.index_head_dim),
+        f"model.index_topk=0 turns sparse attention's indexer off, yet model.index_heads={m.index_heads} and "
+        f"model.index_head_dim={m.index_head_dim} describe one: set both to 0 for dense attention, or index_topk > 0",
+    )
+    require(
         m.index_topk or m.indexer_training == "sparse",
         f"model.indexer_training={m.indexer_training!r} trains sparse attention's indexer; this model has none "
         f"(model.index_topk=0): leave it at sparse",

@@ -19,7 +19,7 @@ from models.remat import RematError, check_policy
 from parallel import targets
 from parallel.mesh import AXES, MeshError
 from parallel.targets import TargetError
-from train.config import ConfigError, load_config, to_dict
+from train.config import ConfigError, load_config, to_dict, warn_repeated
 from train.errors import CheckpointError, DataError, NonFiniteLoss, leave
 from train.planning.memory import format_plan, plan_memory
 from train.planning.sizes import format_size, parse_size
@@ -187,6 +187,7 @@ def main(argv=None) -> int:
     library_log.install()
     try:
         # a plan reads no parameters: it needs no checkpoint.init_from (e.g. an import not made yet) but the model
+        warn_repeated(args.overrides)
         config = load_config(args.config, args.overrides, init_params=not args.plan)
         if args.plan:
             return plan(config, args.devices, args.device_memory, args.target)

@@ -29,7 +29,7 @@ import numpy as np
 
 from parallel.mesh import MeshError, make_mesh
 from train.checkpoints.checkpoint import model_directories, restore_model_params
-from train.config import ConfigError, check_built_mesh, load_config
+from train.config import ConfigError, check_built_mesh, load_config, warn_repeated
 from train.data.haystack import TASKS, check_grid, needle_grid
 from train.data.tokenizer import make_tokenizer
 from train.errors import CheckpointError, DataError, leave
@@ -176,6 +176,7 @@ def main(argv=None) -> int:
         parser.error(f"--tasks {','.join(unknown)}: choose from {', '.join(TASKS)}")
     if args.samples < 1:
         parser.error(f"--samples {args.samples}: give at least 1 haystack per grid point")
+    warn_repeated(args.overrides)
     try:
         records = evaluate(
             args.checkpoint.absolute(),

@@ -189,6 +189,17 @@ def _described(step_dir: pathlib.Path) -> str:
     return f"step {step_dir.name} of {step_dir.parent}" if step_dir.name.isdigit() else str(step_dir)
 
 
+def _positive(text: str) -> int:
+    """A positive whole number of bytes, else argparse's one-line error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of bytes")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m train.hf", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -218,7 +229,7 @@ def main(argv=None) -> int:
     save.add_argument(
         "--overwrite", action="store_true", help="replace everything in hf_dir even when it holds another model"
     )
-    save.add_argument("--max-shard-bytes", type=int, default=2**31, help="shard size limit (default 2 GiB)")
+    save.add_argument("--max-shard-bytes", type=_positive, default=2**31, help="shard size limit (default 2 GiB)")
     args = parser.parse_args(argv)
     environment.set_up()
     library_log.install()

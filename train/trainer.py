@@ -148,6 +148,11 @@ class Trainer:
         """Trains to train.steps (a signal: saves and raises SystemExit(128 + signal)), samples; returns the last
         step's metrics."""
         stop = Stop(self.checkpoints.directory if self.checkpoints else None)
+        if self.start >= self.cadence.steps:
+            self.logger.message(
+                f"resumed at step {self.start}, which train.steps={self.cadence.steps} does not pass: nothing to "
+                f"train (raise train.steps to train on)"
+            )
         try:
             try:
                 stopped_by = self._steps(stop)

@@ -67,7 +67,7 @@ def select(
             where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
             raise ValueError(
                 f"attention kernel 'flash3' runs on Hopper GPUs (compute capability 9.0, FlashAttention-3's sm90a "
-                f"code), not {where}; choose cudnn, pallas, blockwise or auto"
+                f"code), not {where}; choose {'cudnn, pallas, ' if backend == 'gpu' else ''}blockwise or auto"
             )
         if problem := flash3.missing():
             raise ValueError(problem)

@@ -47,13 +47,14 @@ def parameters(output) -> dict:
 
 
 def test_a_model_item_without_an_indexer_seeds_everything_else(tmp_path):
-    plain = dataclasses.replace(DSA, index_topk=0)
+    plain = dataclasses.replace(DSA, index_topk=0, index_heads=0, index_head_dim=0)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(tmp_path / "model", nnx.to_pure_dict(nnx.state(models.build(plain, rngs=nnx.Rngs(1)))))
     (tmp_path / MODEL_YAML).write_text(yaml.safe_dump({"model": dataclasses.asdict(plain)}, sort_keys=False))
     warmup = dataclasses.replace(DSA, indexer_training="warmup")
     check_architecture(tmp_path, warmup)
-    with pytest.raises(CheckpointError, match=r"index_topk: 0 there, 6 here\)\. .* A new indexer trains alone first"):
+    added = r"index_topk: 0 there, 6 here; index_heads: .*\)\. .* A new indexer trains alone first"
+    with pytest.raises(CheckpointError, match=added):
         check_architecture(tmp_path, DSA)
     _, abstract = abstract_model(warmup)
     with pytest.raises(CheckpointError, match=r"10 arrays missing there \(e\.g\. .*indexer"):
@@ -70,9 +71,21 @@ def test_a_model_item_without_an_indexer_seeds_everything_else(tmp_path):
 @pytest.mark.slow
 def test_a_new_indexer_trains_alone_from_a_checkpoint_without_one(tmp_path):
     dense = tmp_path / "dense"
-    run(load_config(DSA_TINY, [*SMALL, f"train.output_dir={dense}", "model.index_topk=0"]))
+    run(
+        load_config(
+            DSA_TINY,
+            [
+                *SMALL,
+                f"train.output_dir={dense}",
+                "model.index_topk=0",
+                "model.index_heads=0",
+                "model.index_head_dim=0",
+            ],
+        )
+    )
     seeded = [*SMALL, f"checkpoint.init_from={dense / 'checkpoints'}"]
-    with pytest.raises(CheckpointError, match=r"index_topk: 0 there, 64 here\)\. .* A new indexer trains alone first"):
+    added = r"index_topk: 0 there, 64 here; index_heads: .*\)\. .* A new indexer trains alone first"
+    with pytest.raises(CheckpointError, match=added):
         run(load_config(DSA_TINY, [*seeded, f"train.output_dir={tmp_path / 'sparse'}"]))
     assert not (tmp_path / "sparse").exists()
     warm = tmp_path / "warm"

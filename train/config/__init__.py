@@ -2,7 +2,7 @@
 
 from layers.rope import RopeScalingConfig
 from models.config import ComputeConfig, ConfigError, ModelConfig
-from train.config.load import from_dict, load_config, to_dict
+from train.config.load import from_dict, load_config, to_dict, warn_repeated
 from train.config.schema import (
     CheckpointConfig,
     Config,
@@ -34,4 +34,5 @@ __all__ = [
     "load_config",
     "to_dict",
     "validate",
+    "warn_repeated",
 ]

@@ -19,7 +19,7 @@ import warnings
 
 import yaml
 
-from models.config import ConfigError, extend_context, require
+from models.config import ConfigError, covered_context, extend_context, require
 from train.config.imported import MODEL_FROM_INIT, MODEL_YAML, import_layer
 from train.config.schema import Config
 from train.config.strict_yaml import parse_yaml
@@ -33,9 +33,19 @@ def _read_yaml(path: pathlib.Path, seen: tuple[pathlib.Path, ...] = ()) -> dict:
     path = path.resolve()
     if path in seen:
         raise ConfigError(f"config {path}: `base:` cycle through {[str(p) for p in seen]}")
+    if path.is_dir():
+        inside = " (a run directory's is its config.yaml)" if (path / "config.yaml").is_file() else ""
+        raise ConfigError(f"config {path} is a directory; give a YAML file{inside}")
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    raw = parse_yaml(path.read_text(), f"config {path}") or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"config {path} is not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset {error.start}); "
+            f"save it as UTF-8"
+        ) from None
+    raw = parse_yaml(text, f"config {path}") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"config {path}: top level must be a mapping, got {type(raw).__name__}")
     merged: dict = {}
@@ -81,6 +91,16 @@ def parse_override(text: str) -> tuple[list[str], typing.Any]:
     return keys, parse_yaml(value, f"override {text!r}") if value else ""
 
 
+def warn_repeated(overrides: typing.Sequence[str]) -> None:
+    """A warning for each key a command line overrides twice with different values (the last is used)."""
+    given: dict[str, str] = {}
+    for text in overrides:
+        key = text.split("=", 1)[0].strip()
+        if given.get(key, text) != text:
+            log.warning("override %s given twice (%r, then %r): the last is used", key, given[key], text)
+        given[key] = text
+
+
 def _field_type(keys: list[str]):
     """The declared type of the Config field at dotted `keys` (None when the path names no field)."""
     cls = Config
@@ -107,6 +127,13 @@ def load_config(
     model, extension = extend_context(config.model)
     if extension:
         log.info(extension)
+    covered = covered_context(model)
+    require(
+        not covered or config.data.seq_len <= covered,
+        f"data.seq_len={config.data.seq_len} is longer than the {covered} positions the model covers "
+        f"(model.max_position_embeddings, or its yarn rope's); set model.context_length={config.data.seq_len} to "
+        f"stretch its rope, or data.seq_len <= {covered}",
+    )
     return dataclasses.replace(config, model=model)
 
 
@@ -176,13 +203,14 @@ def _coerce(hint, value, key: str):
         return from_dict(hint, value, key + ".")
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in typing.get_args(hint):
+        options = typing.get_args(hint)
+        for option in options:
             try:
                 return _coerce(option, value, key)
-            except ConfigError as error:
-                errors.append(str(error))
-        raise ConfigError(errors[-1])
+            except ConfigError:
+                continue
+        names = " or ".join("null" if option is type(None) else _type_name(option) for option in options)
+        raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; expected {names}")
     if origin is tuple and isinstance(value, list | tuple):  # tuple[T, ...]: a YAML list of T
         item = typing.get_args(hint)[0]
         return tuple(_coerce(item, element, f"{key}[{i}]") for i, element in enumerate(value))
@@ -197,8 +225,14 @@ def _coerce(hint, value, key: str):
         return None
     if isinstance(hint, type) and isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
         return value
-    name = f"a list of {typing.get_args(hint)[0].__name__}" if origin is tuple else getattr(hint, "__name__", str(hint))
-    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; expected {name}")
+    raise ConfigError(f"{key}={value!r} has type {type(value).__name__}; expected {_type_name(hint)}")
+
+
+def _type_name(hint) -> str:
+    """'float', 'a list of int', ... for a config field's type."""
+    if typing.get_origin(hint) is tuple:
+        return f"a list of {typing.get_args(hint)[0].__name__}"
+    return getattr(hint, "__name__", str(hint))
 
 
 def to_dict(config: Config) -> dict:
