@@ -48,13 +48,19 @@ def check_run_directory(output: pathlib.Path, config: Config) -> None:
         # a key the saved config lacks was added since: the run used its default
         before, now = {**defaults[section], **(previous.get(section) or {})}, current[section]
         for key in sorted(now if keys is None else keys):
-            if before.get(key) != now[key]:
+            if before.get(key) == now[key]:
+                continue
+            was = f"{section}.{key}={before.get(key)!r}, now {now[key]!r}"
+            held = f"train.output_dir={str(output)!r} holds a run with {was}"
+            if not has_checkpoints(output / "checkpoints"):
                 raise ConfigError(
-                    f"train.output_dir={str(output)!r} holds a run with {section}.{key}={before.get(key)!r}, now "
-                    f"{now[key]!r}: a resumed run keeps its model, data and batch size. To go on from it with "
-                    f"the new setting, start a new train.output_dir with checkpoint.init_from={str(output)!r}"
-                    f"/checkpoints"
+                    f"{held}, and no checkpoint to go on from: start afresh in another train.output_dir, or remove "
+                    f"{str(output)!r}"
                 )
+            raise ConfigError(
+                f"{held}: a resumed run keeps its model, data and batch size. To go on from it with the new setting, "
+                f"start a new train.output_dir with checkpoint.init_from={str(output / 'checkpoints')!r}"
+            )
 
 
 def run(config: Config) -> dict:

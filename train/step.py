@@ -87,6 +87,18 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int, frozen):
     )
 
 
+def configured_train_step(train_state, mesh, config, plan: Plan):
+    """The train step a run of `config` compiles: the trainer's (train/trainer.py), and what its plan compiles
+    (train/planning/memory.py)."""
+    return make_train_step(
+        train_state,
+        mesh,
+        chunk_size=config.compute.loss_chunk_size,
+        accum_steps=config.train.grad_accum_steps,
+        plan=plan,
+    )
+
+
 def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, plan: Plan = Plan()):
     """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated.
     Batch arrays [batch, length] are in `plan.layout` order. The variables the model keeps frozen (models.frozen)

@@ -32,7 +32,7 @@ from train.process import divergence, library_log, peers, stall
 from train.process.stop import Stop
 from train.sample import generate
 from train.state import TrainState
-from train.step import make_eval_step, make_train_step, position_buckets
+from train.step import configured_train_step, make_eval_step, position_buckets
 
 
 def global_batch(batch: dict, sharding, rows: np.ndarray) -> dict:
@@ -126,9 +126,7 @@ class Trainer:
         self.train_state, self.state = train_state, train_state.state
         self.cadence = Cadence.of(config)
         chunk, self.output = config.compute.loss_chunk_size, pathlib.Path(t.output_dir)
-        self.train_step = make_train_step(
-            train_state, mesh, chunk_size=chunk, accum_steps=t.grad_accum_steps, plan=plan
-        )
+        self.train_step = configured_train_step(train_state, mesh, config, plan)
         self.buckets = position_buckets(t.eval_position_buckets, config.data.seq_len)
         self.eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan, buckets=self.buckets)
         self.sharding, self.rows = batch_sharding(mesh), process_rows(mesh, t.batch_size)

@@ -73,10 +73,16 @@ def test_frozen_and_warmup_keep_their_parameters_as_they_were():
 
 
 def test_rows_no_longer_than_index_topk_attend_densely_without_the_loss(sparse_state):
-    """Rows of 64 tokens under index_topk 64: dense attention, no indexer loss (the warm-up still has one)."""
+    """Rows of 64 tokens under index_topk 64: the token loss is dense attention's (the warm-up's, which attends
+    densely), no indexer loss is reported and none reaches the indexer (the warm-up still has one)."""
     dense = dataclasses.replace(DSA, index_topk=64)
-    losses, _ = first_step(sparse_state, dense, MeshConfig(fsdp=1), PLAIN, jax.devices()[:1])
-    assert len(losses) == 1
+    losses, grads = first_step(sparse_state, dense, MeshConfig(fsdp=1), PLAIN, jax.devices()[:1])
+    warmup = dataclasses.replace(DSA, indexer_training="warmup")
+    warm_losses, _ = first_step(sparse_state, warmup, MeshConfig(fsdp=1), PLAIN, jax.devices()[:1])
+    assert len(losses) == 1 and len(warm_losses) == 2 and warm_losses[1] > 0.01
+    np.testing.assert_allclose(losses[0], warm_losses[0], rtol=1e-6)
+    indexer = {name: grad for name, grad in grads.items() if "['indexer']" in name}
+    assert len(indexer) == 10 and not any(np.any(grad) for grad in indexer.values())
 
 
 @pytest.mark.parametrize(

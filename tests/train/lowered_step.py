@@ -8,7 +8,7 @@ from parallel.planning import make_plan
 from train.optimizer import make_optimizer
 from train.planning.memory import abstract_batch
 from train.state import TrainState, abstract_state
-from train.step import make_train_step
+from train.step import configured_train_step
 
 
 def lowered_step(config, devices) -> jax.stages.Lowered:
@@ -18,12 +18,7 @@ def lowered_step(config, devices) -> jax.stages.Lowered:
     graphdef, state, shardings = abstract_state(
         config.model, make_optimizer(config.optimizer, config.train.steps), mesh, compute=config.compute
     )
+    plan = make_plan(config.parallel, mesh.shape, mesh.devices.flat[0])
     with jax.set_mesh(mesh):
-        step = make_train_step(
-            TrainState(graphdef, state, shardings),
-            mesh,
-            chunk_size=config.compute.loss_chunk_size,
-            accum_steps=config.train.grad_accum_steps,
-            plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0]),
-        )
+        step = configured_train_step(TrainState(graphdef, state, shardings), mesh, config, plan)  # the trainer's
         return step.lower(state, abstract_batch(config, mesh))

@@ -344,3 +344,10 @@ def test_a_run_directory_from_before_a_key_was_added_resumes(tmp_path):
     check_run_directory(tmp_path, config)
     with pytest.raises(ConfigError, match=re.escape("model.embed_dim=256, now 128")):
         check_run_directory(tmp_path, load_config(CONFIGS / "tiny.yaml", ["model.embed_dim=128"]))
+
+
+def test_a_run_directory_with_no_checkpoint_advises_starting_afresh(tmp_path):
+    """A run that stopped before its first checkpoint has nothing to seed another from: the advice is not init_from."""
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(CONFIGS / "tiny.yaml"))))
+    with pytest.raises(ConfigError, match=r"data\.seq_len=256, now 128, and no checkpoint to go on from: start afresh"):
+        check_run_directory(tmp_path, load_config(CONFIGS / "tiny.yaml", ["data.seq_len=128"]))

@@ -105,8 +105,8 @@ def test_one_large_text_file_is_read_in_bounded_memory(tmp_path):
     pipeline holds a few pieces whatever the file's size."""
     path = tmp_path / "one-line.txt"
     path.write_text(" ".join(["abcdefghi"] * 2_000_000))
+    tracemalloc.start()  # before the pipeline exists: opening and indexing the file count too
     batches = iter(build_dataset(config(path, eval_fraction=0.02, shuffle=True), TOK, batch_size=8))
-    tracemalloc.start()
     for _ in range(4):
         next(batches)
     peak = tracemalloc.get_traced_memory()[1]

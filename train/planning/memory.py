@@ -29,7 +29,7 @@ from train.optimizer import make_optimizer
 from train.planning.compiling import compiling
 from train.planning.sizes import format_size
 from train.state import TrainState, abstract_state
-from train.step import make_train_step
+from train.step import configured_train_step
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +133,8 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     graphdef, state, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
     batch = abstract_batch(config, mesh)
     with jax.set_mesh(mesh):
-        step = make_train_step(
-            TrainState(graphdef, state, shardings),
-            mesh,
-            chunk_size=config.compute.loss_chunk_size,
-            accum_steps=config.train.grad_accum_steps,
-            plan=(plan := make_plan(parallel_config, mesh.shape, device)),
-        )
+        plan = make_plan(parallel_config, mesh.shape, device)
+        step = configured_train_step(TrainState(graphdef, state, shardings), mesh, config, plan)
         log.info(compiling(plan, mesh))
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else GPU_PLAN_OPTIONS)
