@@ -26,7 +26,7 @@ from safetensors.numpy import save_file
 import models
 from models.dtypes import PARAM_DTYPES
 from models.hf.families import by_architecture, for_export
-from models.hf.replace import replace_directory
+from models.hf.replace import replace_directory, umask
 from models.hf.spec import Nesting
 from models.hf.stored import INDEX, SINGLE, StoredTensors
 
@@ -219,6 +219,7 @@ class _Shards:
         count = len(self.files)
         names = [SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
         for file, name in zip(self.files, names, strict=True):
+            file.chmod(0o666 & ~umask())  # safetensors writes 0600: the mode any new file gets here
             file.rename(self.path / name)
         if count > 1:
             index = {

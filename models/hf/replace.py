@@ -32,7 +32,7 @@ def replace_directory(path: str | pathlib.Path, write: Callable[[pathlib.Path], 
     stage = pathlib.Path(tempfile.mkdtemp(prefix=_staging_prefix(path), dir=path.parent))
     try:
         result = write(stage)
-        stage.chmod(0o777 & ~_umask())  # mkdtemp's 0700 -> what mkdir would have made
+        stage.chmod(0o777 & ~umask())  # mkdtemp's 0700 -> what mkdir would have made
         if path.exists():
             _exchange(stage, path)  # stage now holds what `path` held
         else:
@@ -42,7 +42,8 @@ def replace_directory(path: str | pathlib.Path, write: Callable[[pathlib.Path], 
     return result
 
 
-def _umask() -> int:
+def umask() -> int:
+    """The process's file mode creation mask (read by setting it and back)."""
     mask = os.umask(0)
     os.umask(mask)
     return mask

@@ -146,3 +146,14 @@ def test_a_killed_export_leaves_the_previous_one_loadable(tmp_path):
     np.testing.assert_array_equal(embedding(tmp_path / "out"), before)
     assert cli.main(command) == 0  # and the next export clears what the killed one left
     assert sorted(path.name for path in tmp_path.iterdir()) == ["hf", "imported", "out"]
+
+
+def test_exported_files_take_the_mode_the_umask_gives(tmp_path):
+    """safetensors writes its files 0600; an export's files are as readable as any file the user makes."""
+    previous = os.umask(0o022)
+    try:
+        save_pretrained(tiny(0), tmp_path / "out", max_shard_bytes=4000)
+    finally:
+        os.umask(previous)
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "out").iterdir()}
+    assert any(name.endswith(".safetensors") for name in modes) and set(modes.values()) == {0o644}, modes
