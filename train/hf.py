@@ -45,6 +45,7 @@ from train.checkpoints.checkpoint import newest_readable, read_model_params
 from train.checkpoints.origin import origin_file
 from train.config import load_config
 from train.config.imported import HF_CONFIG, MODEL_YAML, TOKENIZER
+from train.data.tokenizer import make_tokenizer
 from train.errors import CheckpointError, OutputError, leave
 from train.process import environment, library_log
 
@@ -164,6 +165,10 @@ def export_checkpoint(
             f"max_position_embeddings is {positions} (the model's, as fine-tuned), not {imported} as in {source}"
         )
     tokenizer = origin_file(step_dir, TOKENIZER)
+    if source is None:  # a run trained from scratch: its own tokenizer's ids and file
+        own_ids, own_file = _run_tokenizer(step_dir)
+        extra = {**own_ids, **extra}
+        tokenizer = tokenizer or own_file
     names = _writing(
         pathlib.Path(hf_dir).absolute(),
         lambda: save_pretrained(
@@ -176,6 +181,22 @@ def export_checkpoint(
         ),
     )
     return step_dir, names, notes
+
+
+def _run_tokenizer(step_dir: pathlib.Path) -> tuple[dict, pathlib.Path | None]:
+    """The token ids ({bos, eos, pad}_token_id) of the tokenizer the run of `step_dir` trained with (its config.yaml's
+    data.tokenizer), and its tokenizer.json when it is one; ({}, None) for a checkpoint outside a run."""
+    run_config = origin_file(step_dir, "config.yaml")  # what a run writes in its directory
+    if run_config is None:
+        return {}, None
+    spec = (yaml.safe_load(run_config.read_text()) or {}).get("data", {}).get("tokenizer", "byte")
+    try:
+        tokenizer = make_tokenizer(spec)
+    except FileNotFoundError:  # a relative path from where the run started, or since moved: no ids to carry
+        return {}, None
+    ids = dict(zip(TOKEN_IDS, (tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id), strict=True))
+    file = getattr(tokenizer, "path", None)  # a Hugging Face tokenizer's file; the byte tokenizer has none
+    return {key: value for key, value in ids.items() if value is not None}, file and pathlib.Path(file)
 
 
 def _read_model(step_dir: pathlib.Path, config_path: str | pathlib.Path | None) -> nnx.Module:

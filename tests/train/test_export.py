@@ -5,6 +5,7 @@ holds the traceback."""
 
 import dataclasses
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +18,10 @@ from flax import nnx
 from safetensors import SafetensorError
 
 import models
+import train.__main__ as train_cli
 from models.hf import convert, load_pretrained, save_pretrained
 from tests.tiny_models import TINY_LLAMA
-from tests.train.tiny_run import REPO
+from tests.train.tiny_run import REPO, SMALL, TINY
 from train import hf as cli
 
 
@@ -157,3 +159,20 @@ def test_exported_files_take_the_mode_the_umask_gives(tmp_path):
         os.umask(previous)
     modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "out").iterdir()}
     assert any(name.endswith(".safetensors") for name in modes) and set(modes.values()) == {0o644}, modes
+
+
+def test_a_run_from_scratch_exports_its_tokenizer_and_token_ids(tmp_path, tokenizer_json):
+    """No import to take them from: the run's own data.tokenizer gives the export its tokenizer.json and its bos /
+    eos / pad ids (the byte tokenizer its ids alone)."""
+    for name, spec in (("bpe", str(tokenizer_json)), ("byte", "byte")):
+        run = tmp_path / name
+        overrides = [*SMALL, "train.steps=1", "train.eval_batches=0", "train.sample_tokens=0", "model.vocab_size=320"]
+        assert train_cli.main([str(TINY), *overrides, f"data.tokenizer={spec}", f"train.output_dir={run}"]) == 0
+        assert cli.main(["export", str(run / "checkpoints"), str(tmp_path / f"{name}-hf")]) == 0
+        exported = json.loads((tmp_path / f"{name}-hf" / "config.json").read_text())
+        ids = [exported[f"{token}_token_id"] for token in ("bos", "eos", "pad")]
+        assert ids == ([1, 2, 0] if name == "bpe" else [257, 258, 256]), exported
+        copied = tmp_path / f"{name}-hf" / "tokenizer.json"
+        assert copied.is_file() == (name == "bpe")
+        if name == "bpe":
+            assert copied.read_bytes() == tokenizer_json.read_bytes()

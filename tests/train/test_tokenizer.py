@@ -1,17 +1,8 @@
 """Tokenizers: byte round trip, a Hugging Face tokenizer.json built in-process, path errors."""
 
 import pytest
-import tokenizers
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from train.data.tokenizer import ByteTokenizer, HFTokenizer, make_tokenizer
-
-SENTENCES = [
-    "the quick brown fox jumps over the lazy dog",
-    "def main(): return 0",
-    "packing documents into rows of tokens",
-    "ünïcödé text — with symbols ✓",
-] * 5
 
 
 def test_byte_round_trip_with_non_ascii():
@@ -28,23 +19,6 @@ def test_byte_decode_skips_specials_and_replaces_invalid_utf8():
     tok = ByteTokenizer()
     assert tok.decode([tok.bos_id, *b"ab", tok.eos_id, tok.pad_id, 400]) == "ab"
     assert tok.decode([0xE2, 0x9C]) == "\ufffd"  # a cut multi-byte character
-
-
-@pytest.fixture
-def tokenizer_json(tmp_path):
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(SENTENCES, trainer)
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return path
 
 
 def test_hf_tokenizer_round_trip_and_special_ids(tokenizer_json):
