@@ -27,6 +27,7 @@ import json
 import pathlib
 import re
 import shutil
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -259,6 +260,7 @@ def main(argv=None) -> int:
             config = import_checkpoint(
                 args.hf_dir, args.out, args.dtype, allow_unused=args.allow_unused, overwrite=args.overwrite
             )
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # written: a Ctrl-C from here on changes nothing
             print(f"imported {config.num_layers}-layer {config.family} to {args.out}")
         else:
             step_dir, names, notes = export_checkpoint(
@@ -269,12 +271,17 @@ def main(argv=None) -> int:
                 max_shard_bytes=args.max_shard_bytes,
                 overwrite=args.overwrite,
             )
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # written: a Ctrl-C from here on changes nothing
             print(f"exported {_described(step_dir)} to {args.hf_dir}: {len(names)} shard(s)")
             for note in notes:
                 print(f"note: {note}")
     except (ValueError, FileNotFoundError, ConfigError, CheckpointError, OutputError) as error:
         print(f"error: {error}{library_log.mention()}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        target = args.out if args.command == "import" else args.hf_dir
+        print(f"error: stopped by Ctrl-C before the {args.command} finished; {target} is as it was", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 0
 
 

@@ -176,3 +176,21 @@ def test_a_run_from_scratch_exports_its_tokenizer_and_token_ids(tmp_path, tokeni
         assert copied.is_file() == (name == "bpe")
         if name == "bpe":
             assert copied.read_bytes() == tokenizer_json.read_bytes()
+
+
+def test_ctrl_c_during_an_export_is_one_line_and_after_it_changes_nothing(tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "export_checkpoint", interrupted)
+    assert cli.main(["export", str(tmp_path / "in"), str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err.strip() == (
+        f"error: stopped by Ctrl-C before the export finished; {tmp_path / 'out'} is as it was"
+    )
+    monkeypatch.setattr(cli, "export_checkpoint", lambda *args, **kwargs: (tmp_path / "in", ["model.safetensors"], []))
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        assert cli.main(["export", str(tmp_path / "in"), str(tmp_path / "out")]) == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # done: a Ctrl-C now cannot turn it into an error
+    finally:
+        signal.signal(signal.SIGINT, handler)
