@@ -120,6 +120,7 @@ def test_fits_verdict_at_the_boundary():
         mesh={"fsdp": 2},
         attention_kernel="blockwise",
         expert_dispatch="none",
+        expert_axes=(),
         config=load_config(TINY),
         hosts=(0, 0),
         compile_seconds=1.0,
@@ -190,3 +191,19 @@ def test_host_offload_is_refused_on_cpu_before_compiling(capsys):
     for plan in ([], ["--plan"]):  # training stops before reading data, the plan before compiling
         assert main([TINY, *SMALL, "compute.remat_policy=offload_projections", *plan]) == 2
         assert "pinned host memory" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "mesh, factor, words",
+    [
+        (["mesh.expert=2"], "1.0", "split over expert=2; the capacity dispatch keeps at most 1.0 x the balanced load"),
+        ([], "1.0", "every device runs all of them on its own tokens, dropless (no expert-parallel axis); "),
+        (["mesh.expert=2"], "null", "split over expert=2, dropless (parallel.expert_capacity_factor unset)"),
+    ],
+)
+def test_the_plan_says_what_the_capacity_factor_does_on_its_mesh(mesh, factor, words, capsys):
+    """The same factor drops assignments under expert parallelism and none without it: the plan says which."""
+    config = str(pathlib.Path(TINY).parent / "deepseek-tiny.yaml")
+    argv = [config, *mesh, f"parallel.expert_capacity_factor={factor}", "model.num_layers=2", "--plan"]
+    assert main([*argv, "--devices", "2" if mesh else "1"]) == 0
+    assert words in capsys.readouterr().out

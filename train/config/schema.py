@@ -151,7 +151,8 @@ class ParallelConfig:
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
     expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices
     # unset: dropless (dispatch buffers hold every assignment); a number opts in to expert parallelism's buffers of
-    # that many times an expert's balanced load, dropping the assignments past them (logged as "dropped")
+    # that many times an expert's balanced load, dropping the assignments past them (logged as "dropped"). It acts
+    # only where experts split over devices (mesh.expert > 1): on one device every token is kept; --plan says which
     expert_capacity_factor: float | None = None
     expert_chunk_size: int = 0  # at most this many tokens per device through an MoE block at once; 0 = all
 

@@ -70,6 +70,7 @@ class MemoryPlan:
     mesh: dict[str, int]
     attention_kernel: str
     expert_dispatch: str
+    expert_axes: tuple[str, ...]  # the mesh axes the experts split over (none: every device runs all, dropless)
     config: Config  # as planned: compute.dtype resolved (for_accelerator)
     hosts: tuple[int, ...]  # the process (host) of each partition of the compiled program
     compile_seconds: float
@@ -158,6 +159,7 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
         mesh={name: size for name, size in mesh.shape.items() if size > 1},
         attention_kernel=plan.kernel,
         expert_dispatch=plan.expert_dispatch if config.model.num_experts else "none",
+        expert_axes=expert_axes(mesh, config.model.num_experts) if config.model.num_experts else (),
         config=config,
         hosts=tuple(d.process_index for d in mesh.devices.flat),
         compile_seconds=seconds,
@@ -190,6 +192,8 @@ def format_plan(plan: MemoryPlan, device_memory: int | None = None) -> str:
         "per device:",
     ]
     lines += [f"  {name:<22}{format_size(size):>12}   {note}" for name, size, note in rows if size or name == "total"]
+    if plan.expert_dispatch != "none":
+        lines.append(_capacity_line(plan))
     if plan.platform == "cpu":
         lines.append(
             "temporaries come from the CPU compiler's buffer assignment (a GPU/TPU compile would differ: plan for a "
@@ -207,3 +211,19 @@ def format_plan(plan: MemoryPlan, device_memory: int | None = None) -> str:
             f"device memory {format_size(device_memory)}: {verdict} (total {plan.total / device_memory:.0%} of it)"
         )
     return "\n".join(lines)
+
+
+def _capacity_line(plan: MemoryPlan) -> str:
+    """What parallel.expert_capacity_factor does on this mesh: only experts split over devices can drop tokens."""
+    factor = plan.config.parallel.expert_capacity_factor
+    if not plan.expert_axes:
+        unused = "" if factor is None else f"; parallel.expert_capacity_factor={factor} has no effect here"
+        return f"experts: every device runs all of them on its own tokens, dropless (no expert-parallel axis){unused}"
+    axes = " x ".join(f"{axis}={plan.mesh.get(axis, 1)}" for axis in plan.expert_axes)
+    if factor is None:
+        return f"experts: split over {axes}, dropless (parallel.expert_capacity_factor unset)"
+    return (
+        f"experts: split over {axes}; the {plan.expert_dispatch} dispatch keeps at most {factor} x the balanced load "
+        f"(parallel.expert_capacity_factor) and drops the assignments past it, counted as expert_dropped; on one "
+        f"device, or unset, none is dropped"
+    )
