@@ -72,13 +72,16 @@ def run(config: Config) -> dict:
             f"tokenizer {config.data.tokenizer!r} has {tokenizer.vocab_size} tokens but "
             f"model.vocab_size={config.model.vocab_size}; model.vocab_size must be >= {tokenizer.vocab_size}"
         )
-    if t.sample_tokens:  # the sample re-runs its whole buffer a token at a time: it fits a training row
-        prompt = len(tokenizer.encode(t.sample_prompt)) + (tokenizer.bos_id is not None)
-        if prompt + t.sample_tokens > config.data.seq_len:
+    if t.sample_tokens:  # the sample re-runs its whole buffer a token at a time: it holds no more than a step does
+        prompt, step_tokens = (
+            len(tokenizer.encode(t.sample_prompt)) + (tokenizer.bos_id is not None),
+            t.batch_size * config.data.seq_len,
+        )
+        if prompt + t.sample_tokens > step_tokens:
             raise ConfigError(
                 f"train.sample_prompt is {prompt} tokens, and with train.sample_tokens={t.sample_tokens} the sample "
-                f"needs {prompt + t.sample_tokens} positions, more than a row's data.seq_len={config.data.seq_len}; "
-                f"shorten the prompt or the sample (train.sample_tokens=0: none)"
+                f"needs {prompt + t.sample_tokens} positions, more than the {step_tokens} tokens a train step holds "
+                f"(train.batch_size x data.seq_len); shorten the prompt or the sample (train.sample_tokens=0: none)"
             )
     source = open_source(config.data)  # opened and indexed once for both splits; fails early on bad data
     # every process reads the whole batch and keeps its rows: the data (and the iterator state in a checkpoint)

@@ -1,7 +1,7 @@
 """Wrong input is one line and a non-zero exit before anything trains; a command that has nothing to do says so:
 a config that is not UTF-8 or is a directory, a value of the wrong type, rows longer than the positions the model
-covers, an indexer turned off while its settings remain, a sample prompt longer than a row, an export shard size
-that is not positive, a kernel the platform cannot run, an override given twice, a resume past train.steps."""
+covers, an indexer turned off while its settings remain, a sample longer than a train step's tokens, an export shard
+size that is not positive, a kernel the platform cannot run, an override given twice, a resume past train.steps."""
 
 import pytest
 
@@ -36,7 +36,7 @@ def test_a_config_that_is_not_utf8_or_is_a_directory(tmp_path, capsys):
         (["parallel.expert_capacity_factor=abc"], "has type str; expected float or null"),
         (["model.max_position_embeddings=128", "data.seq_len=512"], "set model.context_length=512 to stretch"),
         (["parallel.attention_kernel=flash3"], "not cpu; choose blockwise or auto"),
-        (["train.sample_tokens=40", "train.sample_prompt=" + "x" * 60], "the sample needs 101 positions, more than"),
+        (["train.sample_tokens=40", "train.sample_prompt=" + "x" * 600], "needs 641 positions, more than the 512"),
     ],
 )
 def test_a_setting_that_cannot_run_is_one_line(overrides, words, tmp_path, capsys):
