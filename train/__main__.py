@@ -19,7 +19,7 @@ from models.remat import RematError, check_policy
 from parallel import targets
 from parallel.mesh import AXES, MeshError
 from parallel.targets import TargetError
-from train.config import ConfigError, load_config, to_dict, warn_repeated
+from train.config import ConfigError, check_positions, load_config, to_dict, warn_repeated
 from train.errors import CheckpointError, DataError, NonFiniteLoss, leave
 from train.planning.memory import format_plan, plan_memory
 from train.planning.sizes import format_size, parse_size
@@ -189,6 +189,7 @@ def main(argv=None) -> int:
         # a plan reads no parameters: it needs no checkpoint.init_from (e.g. an import not made yet) but the model
         warn_repeated(args.overrides)
         config = load_config(args.config, args.overrides, init_params=not args.plan)
+        check_positions(config)
         if args.plan:
             return plan(config, args.devices, args.device_memory, args.target)
         checkpoints = pathlib.Path(config.train.output_dir) / "checkpoints" if config.checkpoint.enabled else None

@@ -13,7 +13,7 @@ from train.config.schema import (
     ParallelConfig,
     TrainConfig,
 )
-from train.config.validate import CHOICES, check_built_mesh, validate
+from train.config.validate import CHOICES, check_built_mesh, check_positions, validate
 
 __all__ = [
     "CHOICES",
@@ -30,6 +30,7 @@ __all__ = [
     "RopeScalingConfig",
     "TrainConfig",
     "check_built_mesh",
+    "check_positions",
     "from_dict",
     "load_config",
     "to_dict",

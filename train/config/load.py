@@ -19,7 +19,7 @@ import warnings
 
 import yaml
 
-from models.config import ConfigError, covered_context, extend_context, require
+from models.config import ConfigError, extend_context, require
 from train.config.imported import MODEL_FROM_INIT, MODEL_YAML, import_layer
 from train.config.schema import Config
 from train.config.strict_yaml import parse_yaml
@@ -127,13 +127,6 @@ def load_config(
     model, extension = extend_context(config.model)
     if extension:
         log.info(extension)
-    covered = covered_context(model)
-    require(
-        not covered or config.data.seq_len <= covered,
-        f"data.seq_len={config.data.seq_len} is longer than the {covered} positions the model covers "
-        f"(model.max_position_embeddings, or its yarn rope's); set model.context_length={config.data.seq_len} to "
-        f"stretch its rope, or data.seq_len <= {covered}",
-    )
     return dataclasses.replace(config, model=model)
 
 

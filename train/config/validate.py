@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 import models
 from layers.moe import AUX_LOSS_SCOPES, EXPERT_MLPS, ROUTER_SCORES
 from layers.rope import SCALINGS
-from models.config import ConfigError, check_model, require
+from models.config import ConfigError, check_model, covered_context, require
 from models.dtypes import COMPUTE_DTYPES, PARAM_DTYPES
 from models.remat import POLICIES
 from parallel.kernels import KERNELS
@@ -178,3 +178,15 @@ def _check_mesh(config: Config) -> None:
             check_context(config.parallel, sizes, seq_len=config.data.seq_len, num_heads=m.num_heads)
         except MeshError as error:
             raise ConfigError(str(error)) from None
+
+
+def check_positions(config: Config) -> None:
+    """A run's rows fit the positions its model covers (once model.context_length has stretched them); a config read
+    for its model alone (an import's model.yaml) is not a run and is not checked."""
+    covered, seq_len = covered_context(config.model), config.data.seq_len
+    require(
+        not covered or seq_len <= covered,
+        f"data.seq_len={seq_len} is longer than the {covered} positions the model covers "
+        f"(model.max_position_embeddings, or its yarn rope's); set model.context_length={seq_len} to stretch its "
+        f"rope, or data.seq_len <= {covered}",
+    )
