@@ -255,6 +255,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     environment.set_up()
     library_log.install()
+    handler = signal.getsignal(signal.SIGINT)
     try:
         if args.command == "import":
             config = import_checkpoint(
@@ -282,8 +283,13 @@ def main(argv=None) -> int:
         target = args.out if args.command == "import" else args.hf_dir
         print(f"error: stopped by Ctrl-C before the {args.command} finished; {target} is as it was", file=sys.stderr)
         return 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGINT, handler)  # a caller's own, as it was
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(leave(main()))
+    code = main()
+    if code == 0:  # written: a Ctrl-C while the process exits changes nothing
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(leave(code))
