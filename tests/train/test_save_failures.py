@@ -78,23 +78,6 @@ def test_a_checkpoint_directory_without_room_for_one_checkpoint_is_refused(tmp_p
     checkpoints.close()
 
 
-def test_the_room_is_measured_once_an_interrupted_save_is_removed(tmp_path, monkeypatch):
-    """A save cut short by a full disk leaves its partial checkpoint; the next run's room check counts its bytes as
-    free, not against the run, whether or not orbax has cleaned it up by then (here it is made after orbax looked)."""
-    checkpoints = Checkpointer(tmp_path, keep=1)
-    partial = tmp_path / "4.orbax-checkpoint-tmp-1764000000"
-    (partial / "model").mkdir(parents=True)
-    (partial / "model" / "shard").write_bytes(b"x" * 4096)
-    seen = []
-    measure = shutil.disk_usage
-    monkeypatch.setattr(
-        "train.checkpoints.checkpoint.shutil.disk_usage", lambda path: seen.append(partial.exists()) or measure(path)
-    )
-    checkpoints.check_room((nnx.State({"w": nnx.Param(jnp.zeros(10))}), nnx.State({})))
-    checkpoints.close()
-    assert seen == [False] and not partial.exists()
-
-
 UNRAISABLE = """
 import logging, sys
 from train.process import library_log

@@ -149,10 +149,6 @@ def is_damage(error: Exception) -> bool:
     return not (isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith(NOT_DAMAGE))
 
 
-# what orbax names a checkpoint being written (STEP.orbax-checkpoint-tmp-TIME): left whole by an interrupted save
-PARTIAL = ".orbax-checkpoint-tmp"
-
-
 class Checkpointer:
     """Saves and restores training state under `directory`, keeping the newest `keep` checkpoints."""
 
@@ -190,8 +186,7 @@ class Checkpointer:
 
     def check_room(self, state: nnx.State) -> None:
         """Refuses, before any step, a checkpoint directory that cannot be written or has no room for one
-        checkpoint of `state` (arrays or abstract ones), once the partial checkpoints of an interrupted save are
-        removed (their bytes are free for this run)."""
+        checkpoint of `state` (arrays or abstract ones)."""
         try:
             with tempfile.TemporaryFile(dir=self.directory):
                 pass
@@ -200,9 +195,6 @@ class Checkpointer:
                 f"cannot write checkpoints to {self.directory} ({_first_line(error)}); make it writable or choose "
                 f"another train.output_dir (checkpoint.enabled=false trains without checkpoints)"
             ) from None
-        if jax.process_index() == 0:  # no save runs before the first step: a partial one is an earlier run's
-            for partial in self.directory.glob(f"*{PARTIAL}*"):
-                shutil.rmtree(partial, ignore_errors=True)
         self._check_space("one checkpoint", state)
 
     def _check_space(self, what: str, state: nnx.State) -> None:
