@@ -21,6 +21,7 @@ from train.checkpoints.lock import make_run_directory, run_directory_lock
 from train.checkpoints.origin import keep_origin
 from train.config import Config, ConfigError, check_built_mesh, to_dict
 from train.data.pipeline import build_dataset
+from train.data.record import data_record, resumes_position
 from train.data.sources import open_source
 from train.data.tokenizer import make_tokenizer
 from train.needle import needle_evaluation
@@ -39,12 +40,16 @@ RESUME_KEEPS = {"model": None, "data": None, "train": ("batch_size",)}  # None: 
 
 def check_run_directory(output: pathlib.Path, config: Config) -> None:
     """A run directory belongs to one model and one data stream: resuming with another architecture, data
-    settings or batch size is refused, not overwritten (how it computes, e.g. `compute` or `mesh`, may change)."""
+    settings or batch size is refused, not overwritten (how it computes, e.g. `compute` or `mesh`, may change;
+    data.on_change=restart starts the data position fresh, so the data settings may change with it)."""
     saved = output / "config.yaml"
     if not saved.exists():
         return
     previous, current, defaults = yaml.safe_load(saved.read_text()) or {}, to_dict(config), to_dict(Config())
-    for section, keys in RESUME_KEEPS.items():
+    keeps = {section: keys for section, keys in RESUME_KEEPS.items() if section != "data"}
+    if config.data.on_change != "restart":
+        keeps["data"] = tuple(key for key in current["data"] if key != "on_change")
+    for section, keys in keeps.items():
         # a key the saved config lacks was added since: the run used its default
         before, now = {**defaults[section], **(previous.get(section) or {})}, current[section]
         for key in sorted(now if keys is None else keys):
@@ -60,6 +65,12 @@ def check_run_directory(output: pathlib.Path, config: Config) -> None:
             raise ConfigError(
                 f"{held}: a resumed run keeps its model, data and batch size. To go on from it with the new setting, "
                 f"start a new train.output_dir with checkpoint.init_from={str(output / 'checkpoints')!r}"
+                + (
+                    " (its parameters only), or, for a data setting, keep the model, optimizer and step with "
+                    "data.on_change=restart, which starts the data position fresh"
+                    if section == "data"
+                    else ""
+                )
             )
 
 
@@ -84,6 +95,7 @@ def run(config: Config) -> dict:
                 f"(train.batch_size x data.seq_len); shorten the prompt or the sample (train.sample_tokens=0: none)"
             )
     source = open_source(config.data)  # opened and indexed once for both splits; fails early on bad data
+    record = data_record(source, tokenizer)  # what a checkpoint's data position depends on
     # every process reads the whole batch and keeps its rows: the data (and the iterator state in a checkpoint)
     # is the same whatever the number of processes
     datasets = {
@@ -121,7 +133,8 @@ def run(config: Config) -> dict:
         if checkpoints:  # before the first step compiles
             checkpoints.check_room(abstract[1])
         train_iter = iter(datasets["train"])
-        start, train_state = _initial_state(config, checkpoints, train_iter, tx, mesh, abstract, seed)
+        takes_position = lambda saved, where: resumes_position(saved, record, config.data.on_change, where)
+        start, train_state = _initial_state(config, checkpoints, train_iter, takes_position, tx, mesh, abstract, seed)
         if main_process:  # once the state fits the run: a refused resume leaves the directory as it was
             (output / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
             if seed is not None and start == 0:  # an import's config.json and tokenizer, for export
@@ -129,15 +142,30 @@ def run(config: Config) -> dict:
         with jax.set_mesh(mesh):
             evaluation = Evaluation(datasets.get("eval"), needle_scores)
             return Trainer(
-                config, train_state, mesh, plan, train_iter, evaluation, checkpoints, start, tokenizer, main_process
+                config,
+                train_state,
+                mesh,
+                plan,
+                train_iter,
+                evaluation,
+                checkpoints,
+                start,
+                tokenizer,
+                main_process,
+                data_record=record,
             ).run()
 
 
-def _initial_state(config: Config, checkpoints, train_iter, tx, mesh, abstract, seed) -> tuple[int, TrainState]:
-    """(step, state) of the newest checkpoint (the iterator restored with it), else fresh parameters at step 0
-    (replaced by `seed`, checkpoint.init_from's parameters, when given, but for those it lacks)."""
+def _initial_state(
+    config: Config, checkpoints, train_iter, takes_position, tx, mesh, abstract, seed
+) -> tuple[int, TrainState]:
+    """(step, state) of the newest checkpoint (the iterator restored with it where `takes_position` says so, see
+    Checkpointer.restore_latest), else fresh parameters at step 0 (replaced by `seed`, checkpoint.init_from's
+    parameters, when given, but for those it lacks)."""
     graphdef, abstract, shardings = abstract
-    restored = checkpoints.restore_latest(abstract, train_iter, to_dict(config)) if checkpoints else None
+    restored = None
+    if checkpoints:
+        restored = checkpoints.restore_latest(abstract, train_iter, to_dict(config), takes_position)
     if restored:
         log.info("resumed from step %d", restored[0])
         return restored[0], TrainState(graphdef, restored[1], shardings)

@@ -105,7 +105,8 @@ class Window:
 
 class Trainer:
     """Trains `train_state` from step `start` + 1 to train.steps on `train_iter`'s batches over `mesh` in `plan`'s
-    layout; `checkpoints` (a Checkpointer, or None) saves; `main_process` writes the metrics."""
+    layout; `checkpoints` (a Checkpointer, or None) saves, with `data_record` (what the data position depends on);
+    `main_process` writes the metrics."""
 
     def __init__(
         self,
@@ -119,6 +120,7 @@ class Trainer:
         start: int,
         tokenizer,
         main_process: bool,
+        data_record: dict | None = None,
     ):
         t = config.train
         self.config, self.mesh, self.plan, self.train_iter, self.evaluation = config, mesh, plan, train_iter, evaluation
@@ -134,7 +136,7 @@ class Trainer:
         self.tokens_per_step = t.batch_size * config.data.seq_len
         peak = peak_flops_per_device(t.peak_tflops_per_device, compute_dtype(config.compute)) * jax.device_count()
         self.peak = Peak(peak)
-        self.meta = {"config": to_dict(config)}
+        self.meta = {"config": to_dict(config), "data": data_record}  # data_record: train/data/record.py
         self.logger = MetricsLogger(
             self.output, total_steps=t.steps, start_step=start, progress_bar=t.progress_bar, enabled=main_process
         )

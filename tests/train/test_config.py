@@ -18,7 +18,7 @@ from models import dtypes, remat
 from parallel import experts, kernels, reorder, strategies
 from parallel.plan import RING_GRAD_DTYPES
 from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config, to_dict
-from train.data import files, packing
+from train.data import files, packing, record
 from train.loop import check_run_directory
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
@@ -293,6 +293,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "compute.remat_policy": remat.POLICIES,
         "data.format": ("auto", "text", *files.READERS),
         "data.packing": packing.PACKINGS,
+        "data.on_change": record.ON_CHANGE,
         "parallel.context_strategy": strategies.STRATEGIES,
         "parallel.balance_layout": [layout for layout in reorder.LAYOUTS if layout != "contiguous"],
         "parallel.expert_dispatch": ("auto", *experts.DISPATCHES),
@@ -344,6 +345,21 @@ def test_a_run_directory_from_before_a_key_was_added_resumes(tmp_path):
     check_run_directory(tmp_path, config)
     with pytest.raises(ConfigError, match=re.escape("model.embed_dim=256, now 128")):
         check_run_directory(tmp_path, load_config(CONFIGS / "tiny.yaml", ["model.embed_dim=128"]))
+
+
+def test_data_settings_may_change_on_a_resume_that_restarts_the_data_position(tmp_path):
+    """data.on_change=restart starts the data position fresh, so the data section may change with it; without it the
+    refusal names that way on; data.on_change itself may always change."""
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(to_dict(load_config(CONFIGS / "tiny.yaml"))))
+    (tmp_path / "checkpoints" / "2").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"data\.seq_len=256, now 128: .* with data\.on_change=restart, which starts"):
+        check_run_directory(tmp_path, load_config(CONFIGS / "tiny.yaml", ["data.seq_len=128"]))
+    check_run_directory(tmp_path, load_config(CONFIGS / "tiny.yaml", ["data.seq_len=128", "data.on_change=restart"]))
+    check_run_directory(tmp_path, load_config(CONFIGS / "tiny.yaml", ["data.on_change=grown"]))
+    with pytest.raises(ConfigError, match=r"model\.embed_dim=256, now 128: a resumed run keeps"):
+        check_run_directory(
+            tmp_path, load_config(CONFIGS / "tiny.yaml", ["model.embed_dim=128", "data.on_change=restart"])
+        )
 
 
 def test_a_run_directory_with_no_checkpoint_advises_starting_afresh(tmp_path):

@@ -117,6 +117,16 @@ def data_state(path: pathlib.Path) -> dict:
         raise _unusable_position(path, f"{files[0].name} does not read ({_first_line(error)})") from None
 
 
+def _data_record(path: pathlib.Path) -> dict | None:
+    """The record of the data saved in step directory `path`'s meta (train/data/record.py), or None when it has none
+    (saved before records were kept) or its meta cannot be read (logged)."""
+    try:
+        return read_meta(path).get("data")
+    except Unreadable as error:
+        log.warning("%s: its data is not checked", error)
+        return None
+
+
 def set_position(iterator, path: pathlib.Path) -> None:
     """Sets `iterator` to the data position saved in step directory `path` and starts its prefetching; raises
     CheckpointError (see `data_state`) when it cannot take it."""
@@ -219,7 +229,11 @@ class Checkpointer:
         )
 
     def restore_latest(
-        self, abstract: nnx.State, data_iterator, config: dict | None = None
+        self,
+        abstract: nnx.State,
+        data_iterator,
+        config: dict | None = None,
+        takes_position: Callable[[dict | None, str], bool] | None = None,
     ) -> tuple[int, nnx.State] | None:
         """Restores the newest readable checkpoint into `abstract`'s shapes and shardings, and the iterator.
 
@@ -228,7 +242,8 @@ class Checkpointer:
         CheckpointError, moving nothing, when the newest readable one holds another structure than `abstract`
         (`config`, the run's resolved config, lets the message name what changed) or a data position
         `data_iterator` cannot take, and when none can be read but some were set aside (now or by an earlier
-        run)."""
+        run). `takes_position(the data record saved in its meta or None, "checkpoint step N")` decides whether the
+        iterator takes the saved position (else it starts fresh) and may refuse the checkpoint by raising."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             path = self.directory / str(step)
             try:
@@ -237,7 +252,8 @@ class Checkpointer:
                 self._set_aside(step, error)
                 continue
             self._check_structure(path, saved, abstract, config)
-            set_position(data_iterator, path)  # first: the iterator prefetches while the arrays are read
+            if takes_position is None or takes_position(_data_record(path), f"checkpoint step {step}"):
+                set_position(data_iterator, path)  # first: the iterator prefetches while the arrays are read
             try:
                 restored = self.manager.restore(
                     step,

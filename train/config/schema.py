@@ -21,10 +21,11 @@ class MixtureComponent:
     max_documents: int | None = None  # as data.max_documents; unset = data.max_documents
 
 
-# the values of data.format and data.packing, as train/data/sources.py and train/data/pipeline.py implement them (a
-# config is read without importing the data libraries)
+# the values of data.format, data.packing and data.on_change, as train/data/sources.py, train/data/pipeline.py and
+# train/data/record.py implement them (a config is read without importing the data libraries)
 FORMATS = ("auto", "text", "jsonl", "parquet")
 PACKINGS = ("concat", "first_fit")
+ON_CHANGE = ("refuse", "grown", "restart")
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,10 @@ class DataConfig:
     # several sources mixed by weight (share of the bytes as stored, ~tokens; each held out and upsampled on its own);
     # when given, it replaces `source` (() = read `source` alone)
     mixture: tuple[MixtureComponent, ...] = ()
+    # a resume on data that changed since its checkpoint (train/data/record.py): refuse | grown (accept files added
+    # or appended to) | restart (accept any change); both keep the model, optimizer and step and start the data
+    # position fresh. A resumed run may change this setting, and with restart any other data setting
+    on_change: str = "refuse"
 
 
 @dataclass(frozen=True)

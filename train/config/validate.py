@@ -22,7 +22,7 @@ from parallel.plan import RING_GRAD_DTYPES
 from parallel.planning import EXPERT_DISPATCHES, check_context, check_tensor
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
-from train.config.schema import FORMATS, PACKINGS, Config, MeshConfig
+from train.config.schema import FORMATS, ON_CHANGE, PACKINGS, Config, MeshConfig
 from train.optimizer import MU_DTYPES
 
 # key -> the names its registry implements
@@ -38,6 +38,7 @@ CHOICES = {
     "compute.remat_policy": tuple(POLICIES),
     "data.format": FORMATS,
     "data.packing": PACKINGS,
+    "data.on_change": ON_CHANGE,
     "parallel.context_strategy": tuple(STRATEGIES),
     "parallel.balance_layout": tuple(layout for layout in LAYOUTS if layout != "contiguous"),
     "parallel.expert_dispatch": EXPERT_DISPATCHES,
