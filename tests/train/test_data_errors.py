@@ -3,6 +3,7 @@
 
 import errno
 import json
+import logging
 import os
 import pickle
 import re
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from train.config import DataConfig
-from train.data import files
+from train.data import cuts, files
 from train.data.files import SNIFF_BYTES
 from train.data.pipeline import build_dataset
 from train.data.sources import open_source
@@ -83,7 +84,6 @@ def test_jsonl_malformed_line_is_found_when_indexed_with_file_and_line(tmp_path)
         (b'{"text": 3}', "field 'text' is a JSON number; each line must be"),
         (b'{"text": null}', "field 'text' is a JSON null"),
         (b'{"body": "x"}', "no field 'text' (data.text_field); keys present: ['body']"),
-        (b'{"text": "\xff"}', "not UTF-8 (invalid start byte at byte 10)"),
     ],
 )
 def test_jsonl_bad_line_names_file_line_and_what_is_wrong(tmp_path, line, problem):
@@ -91,6 +91,39 @@ def test_jsonl_bad_line_names_file_line_and_what_is_wrong(tmp_path, line, proble
     path.write_bytes(b'{"text": "ok"}\n\n' + line + b"\n")
     with pytest.raises(DataError, match=re.escape(f"{path}:3: {problem}")):
         open_source(config(path))
+
+
+def test_stray_invalid_utf8_reads_as_u_fffd_in_every_kind_of_file_and_is_named_once(tmp_path, caplog):
+    """A text file's stray byte in its head or past it, a JSON line's, short or read in pieces: each reads as U+FFFD,
+    and the first of each file is logged naming it (a JSON line's by line)."""
+    text = "x" * 100 + "\xff" + "y" * 20_000 + "\xfe" + "z"
+    stray = text.encode("latin-1")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.txt").write_bytes(stray)
+    jsonl = tmp_path / "a.jsonl"
+    long = b"w" * (cuts.PIECE_BYTES + 10) + b"\xff"
+    jsonl.write_bytes(b'{"text": "ok"}\n{"text": "' + stray + b'"}\n{"text": "' + long + b'"}\n')
+    replaced = text.replace("\xff", "\ufffd").replace("\xfe", "\ufffd")
+    with caplog.at_level(logging.WARNING):
+        folder = open_source(config(tmp_path / "folder"))
+        assert folder[0] == replaced and read_whole(folder, 0) == replaced
+        lines = open_source(config(jsonl))
+        assert lines[1] == replaced and read_whole(lines, 2) == "w" * (cuts.PIECE_BYTES + 10) + "\ufffd"
+    warnings = [r.getMessage() for r in caplog.records if "invalid UTF-8" in r.getMessage()]
+    assert warnings == [
+        f"{tmp_path / 'folder' / 'a.txt'}: invalid UTF-8 (byte 0xff) read as U+FFFD; later ones in this file are "
+        "replaced without a word",
+        f"{jsonl}:2: invalid UTF-8 (byte 0xff) read as U+FFFD; later ones in this file are replaced without a word",
+    ]
+
+
+def read_whole(source, index: int) -> str:
+    """Document `index` read a piece at a time."""
+    pieces, start = [], 0
+    while start is not None:
+        piece, start = source.read(index, start, None, 4096)
+        pieces.append(piece)
+    return "".join(pieces)
 
 
 def test_jsonl_index_holds_offsets_not_text(tmp_path):

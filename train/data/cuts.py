@@ -3,14 +3,19 @@
 Stored text is UTF-8 bytes (a text file, a Parquet value) or the content of a JSON string (a JSONL line's text field,
 between its quotes, escapes and all). A piece ends after a newline that a non-space follows, else before a space that
 a non-space follows, else at the first character boundary: so no line, word, character, escape or surrogate pair is
-split, and a tokenizer sees the words at a cut as it would in the whole text.
+split, and a tokenizer sees the words at a cut as it would in the whole text. A byte that is not valid UTF-8 reads as
+U+FFFD in every kind of file, the first of each file logged as a warning (`decoded`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+_REPLACED: set[str] = set()  # the files whose invalid UTF-8 was logged
 
 PIECE_BYTES = 1 << 20  # a document is read and tokenized this many stored bytes at a time (about)
 CUT_WINDOW = 1 << 16  # bytes searched past a piece's nominal end for a newline or a space to cut at
@@ -65,22 +70,38 @@ def boundary_from(data: bytes, at: int, escaped: bool) -> int:
     return next((cut for cut in range(at, len(data)) if boundary(data, cut)), len(data))
 
 
-def decode(data: bytes, escaped: bool) -> str:
-    """The text of stored bytes cut at character boundaries (UTF-8: invalid bytes replaced)."""
-    return json.loads(b'"' + data + b'"') if escaped else data.decode("utf-8", errors="replace")
+def decoded(data: bytes, path: str, line: int | None = None) -> str:
+    """`data`, bytes of the file at `path` (of its line `line`, where given), as UTF-8, each invalid byte read as
+    U+FFFD; the first such byte of each file is logged, the file's later ones are not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        if path not in _REPLACED:
+            _REPLACED.add(path)
+            log.warning(
+                "%s: invalid UTF-8 (byte 0x%02x) read as U+FFFD; later ones in this file are replaced without a word",
+                path if line is None else f"{path}:{line}",
+                data[error.start],
+            )
+        return data.decode("utf-8", errors="replace")
+
+
+def decode(data: bytes, escaped: bool, path: str) -> str:
+    """The text of stored bytes of the file at `path`, cut at character boundaries (see `decoded`)."""
+    return json.loads('"' + decoded(data, path) + '"') if escaped else decoded(data, path)
 
 
 def read_piece(
-    fetch: Callable[[int, int], bytes], start: int, stop: int, size: int, escaped: bool
+    fetch: Callable[[int, int], bytes], start: int, stop: int, size: int, escaped: bool, path: str
 ) -> tuple[str, int | None]:
     """The text of the piece of stored text [start, stop) that starts at `start`, about `size` bytes (all the rest
     when that is no more), and where the next piece starts (None: this one ends at `stop`). fetch(offset, count)
-    reads stored bytes."""
+    reads stored bytes of the file at `path` (named if they are not UTF-8)."""
     if stop - start <= size:
-        return decode(fetch(start, stop - start), escaped), None
+        return decode(fetch(start, stop - start), escaped, path), None
     data = fetch(start, min(stop - start, size + CUT_WINDOW))
     end = piece_end(data, size, escaped)
-    return decode(data[:end], escaped), (start + end if start + end < stop else None)
+    return decode(data[:end], escaped, path), (start + end if start + end < stop else None)
 
 
 def tail_start(fetch: Callable[[int, int], bytes], extent: int, fraction: float, escaped: bool) -> int:

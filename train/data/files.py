@@ -31,6 +31,7 @@ from train.data import cuts
 from train.errors import DataError
 
 SNIFF_BYTES = 8192  # a text file's head read when its folder is listed, to tell text from binary
+NOT_TEXT_SHARE = 0.01  # a head with more invalid UTF-8 than this share is not UTF-8 text (fewer: stray bytes)
 JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number", bool: "boolean"}
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def _unreadable(what: str, error: Exception) -> DataError:
     return DataError(f"cannot read {what}: {error}")
 
 
-def _read(path: str, start: int = 0, size: int = -1) -> bytes:
+def read_bytes(path: str, start: int = 0, size: int = -1) -> bytes:
     """`size` bytes (-1: all) of the file at `path` from byte `start`; an OSError becomes a DataError naming it."""
     try:
         with open(path, "rb") as f:
@@ -57,7 +58,7 @@ def _read(path: str, start: int = 0, size: int = -1) -> bytes:
 
 def _read_at(path: str, base: int, start: int, size: int) -> bytes:
     """`size` bytes of the file at `path` from byte `base` + `start` (_read with an origin)."""
-    return _read(path, base + start, size)
+    return read_bytes(path, base + start, size)
 
 
 _JSON_SPACE = re.compile(r"[ \t\n\r]*")
@@ -67,7 +68,7 @@ _scan_json_value = json.scanner.make_scanner(json.JSONDecoder())
 def _field_content(line: bytes, field: str) -> tuple[int, int]:
     """Bytes [begin, end) of `line`, a JSON object checked to hold the string field `field`, between that string's
     quotes (its last occurrence when the key repeats, as json.loads reads it)."""
-    text = line.decode("utf-8")
+    text = line.decode("utf-8", errors="surrogateescape")  # an invalid byte stays one character: offsets hold
     at, found = _JSON_SPACE.match(text).end() + 1, (0, 0)
     while text[at := _JSON_SPACE.match(text, at).end()] != "}":
         key, at = json.decoder.scanstring(text, at + 1)
@@ -77,8 +78,8 @@ def _field_content(line: bytes, field: str) -> tuple[int, int]:
             found = (at, end)
         at = _JSON_SPACE.match(text, end).end()
         at += text[at] == ","
-    begin = len(text[: found[0]].encode()) + 1
-    return begin, len(line) - len(text[found[1] :].encode()) - 1
+    begin = len(text[: found[0]].encode(errors="surrogateescape")) + 1
+    return begin, len(line) - len(text[found[1] :].encode(errors="surrogateescape")) - 1
 
 
 def _unreadable_folder(error: OSError) -> None:
@@ -100,16 +101,32 @@ def list_files(root: pathlib.Path, pattern: str, skip_dirs: frozenset[str] = fro
     return sorted(found)
 
 
+def _invalid_utf8(data: bytes, final: bool) -> tuple[int, int | None]:
+    """(how many bytes of `data` are not valid UTF-8, the offset of the first or None); a character cut at the end
+    is valid unless `final`."""
+    count, first, at = 0, None, 0
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    while True:
+        try:
+            decoder.decode(data[at:], final=final)
+            return count, first
+        except UnicodeDecodeError as error:
+            first = at + error.start if first is None else first
+            count += error.end - error.start
+            at += error.end
+            decoder.reset()
+
+
 def _not_text(path: pathlib.Path) -> str | None:
-    """Why the file at `path` is not UTF-8 text, judged by its first SNIFF_BYTES bytes (a NUL byte or
-    invalid UTF-8 there), or None when it is text."""
-    head = _read(str(path), size=SNIFF_BYTES)
+    """Why the file at `path` is not UTF-8 text, judged by its first SNIFF_BYTES bytes (a NUL byte, or more than
+    NOT_TEXT_SHARE of them invalid UTF-8: binary or another encoding), or None when it is text (a few stray bytes
+    read as U+FFFD, see cuts.decoded)."""
+    head = read_bytes(str(path), size=SNIFF_BYTES)
     if (nul := head.find(b"\0")) >= 0:
         return f"NUL byte at offset {nul}"
-    try:  # a character cut at the end of a full head is not an error
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
-    except UnicodeDecodeError as error:
-        return f"not UTF-8 (byte 0x{head[error.start]:02x} at offset {error.start})"
+    invalid, first = _invalid_utf8(head, final=len(head) < SNIFF_BYTES)
+    if invalid > NOT_TEXT_SHARE * len(head):
+        return f"not UTF-8 ({invalid} of its first {len(head)} bytes, the first 0x{head[first]:02x} at offset {first})"
     return None
 
 
@@ -132,7 +149,7 @@ def text_only(paths: Sequence[pathlib.Path]) -> tuple[list[pathlib.Path], str]:
 
 class TextFiles:
     """Each file is one document, decoded as UTF-8 with invalid bytes replaced (open_source and
-    stdlib_source pass only files whose head is UTF-8 text, so only stray bytes further on are replaced).
+    stdlib_source pass only files whose head is UTF-8 text, so only stray bytes are replaced, see cuts.decoded).
     Its stored text is the file's bytes."""
 
     def __init__(self, paths: Sequence[pathlib.Path | str]):
@@ -145,17 +162,18 @@ class TextFiles:
     def __getitem__(self, index: int) -> str:
         if not 0 <= index < len(self):
             raise IndexError(f"document {index} out of range for {len(self)} documents")
-        return _read(self.paths[index]).decode("utf-8", errors="replace")
+        return cuts.decoded(read_bytes(self.paths[index]), self.paths[index])
 
     def sizes(self) -> np.ndarray:
         return self.file_sizes.copy()
 
     def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
         stop = int(self.file_sizes[index]) if stop is None else stop
-        return cuts.read_piece(functools.partial(_read, self.paths[index]), start, stop, size, escaped=False)
+        fetch = functools.partial(read_bytes, self.paths[index])
+        return cuts.read_piece(fetch, start, stop, size, escaped=False, path=self.paths[index])
 
     def tail_start(self, index: int, fraction: float) -> int:
-        fetch = functools.partial(_read, self.paths[index])
+        fetch = functools.partial(read_bytes, self.paths[index])
         return cuts.tail_start(fetch, int(self.file_sizes[index]), fraction, escaped=False)
 
 
@@ -206,14 +224,14 @@ class JsonlFile:
             return self[index], None
         begin, length = self._content(index)
         fetch = functools.partial(_read_at, self.path, begin)
-        return cuts.read_piece(fetch, start, length if stop is None else stop, size, escaped=True)
+        return cuts.read_piece(fetch, start, length if stop is None else stop, size, escaped=True, path=self.path)
 
     def tail_start(self, index: int, fraction: float) -> int:
         begin, length = self._content(index)
         return cuts.tail_start(functools.partial(_read_at, self.path, begin), length, fraction, escaped=True)
 
     def _line(self, index: int) -> bytes:
-        return _read(self.path, int(self._starts[index]), int(self._lengths[index]))
+        return read_bytes(self.path, int(self._starts[index]), int(self._lengths[index]))
 
     def _content(self, index: int) -> tuple[int, int]:
         """(file offset, length in bytes) of document `index`'s text content: indexed for a long line, else found
@@ -229,9 +247,7 @@ class JsonlFile:
         where = f"{self.path}:{number}"
         expected = f"each line must be a JSON object with a string field {self.text_field!r} (data.text_field)"
         try:
-            obj = json.loads(line.decode("utf-8"))  # a str parses faster than bytes
-        except UnicodeDecodeError as error:
-            raise DataError(f"{where}: not UTF-8 ({error.reason} at byte {error.start}); {expected}") from None
+            obj = json.loads(cuts.decoded(line, self.path, number))  # a str parses faster than bytes
         except json.JSONDecodeError as error:
             shown = line.decode("utf-8", errors="replace").strip()
             shown = shown if len(shown) <= 80 else shown[:77] + "..."
@@ -322,7 +338,8 @@ class ParquetFile:
 
     def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
         value = self._value(index).as_buffer()
-        return cuts.read_piece(_buffer_reader(value), start, value.size if stop is None else stop, size, escaped=False)
+        stop = value.size if stop is None else stop
+        return cuts.read_piece(_buffer_reader(value), start, stop, size, escaped=False, path=self.path)
 
     def tail_start(self, index: int, fraction: float) -> int:
         value = self._value(index).as_buffer()

@@ -147,7 +147,8 @@ class InMemory:
 
     def read(self, index: int, start: int, stop: int | None, size: int) -> tuple[str, int | None]:
         data = self.source[index].encode()
-        return cuts.read_piece(_bytes_reader(data), start, len(data) if stop is None else stop, size, escaped=False)
+        stop = len(data) if stop is None else stop
+        return cuts.read_piece(_bytes_reader(data), start, stop, size, escaped=False, path="a synthetic document")
 
     def tail_start(self, index: int, fraction: float) -> int:
         data = self.source[index].encode()
