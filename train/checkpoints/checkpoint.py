@@ -16,10 +16,12 @@ the devices of the process that reads them and pass over unreadable steps withou
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import math
+import os
 import pathlib
 import shutil
 import sys
@@ -159,6 +161,23 @@ def is_damage(error: Exception) -> bool:
     return not (isinstance(error, jax.errors.JaxRuntimeError) and str(error).startswith(NOT_DAMAGE))
 
 
+# what orbax names a checkpoint being written (STEP.orbax-checkpoint-tmp-TIME): left whole by an interrupted save,
+# and removed by orbax's own clean-up (cleanup_tmp_directories)
+PARTIAL = ".orbax-checkpoint-tmp"
+
+
+def _partial_bytes(directory: pathlib.Path) -> int:
+    """The bytes of the partial checkpoints an interrupted save left in `directory`: orbax removes them, so they are
+    free for the next save (files it removes meanwhile count nothing)."""
+    total = 0
+    for partial in directory.glob(f"*{PARTIAL}*"):
+        for folder, _, files in os.walk(partial):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.stat(os.path.join(folder, name)).st_size
+    return total
+
+
 class Checkpointer:
     """Saves and restores training state under `directory`, keeping the newest `keep` checkpoints."""
 
@@ -208,11 +227,12 @@ class Checkpointer:
         self._check_space("one checkpoint", state)
 
     def _check_space(self, what: str, state: nnx.State) -> None:
-        """Refuses a save the disk has no room for: older checkpoints go only once a newer one is complete."""
+        """Refuses a save the disk has no room for: older checkpoints go only once a newer one is complete; an
+        interrupted save's partial checkpoint counts as free."""
         needed = sum(
             math.prod(x.shape) * x.dtype.itemsize for part in (state[0], state[1]) for x in jax.tree.leaves(_pure(part))
         )
-        free = shutil.disk_usage(self.directory).free
+        free = shutil.disk_usage(self.directory).free + _partial_bytes(self.directory)
         if free < needed:
             raise self._failed(
                 f"{what} needs about {format_size(needed)} but {self.directory} has {format_size(free)} free", None

@@ -14,7 +14,8 @@ fraction begins.
 Bad data stops the run with a DataError naming the file (and line) before training starts, as far as indexing can
 tell: every JSON line is parsed when its file is indexed, every text file's head is read when its folder is listed
 (files that are not UTF-8 text are skipped, with a logged count; stray invalid bytes read as U+FFFD, logged once a
-file), and an unreadable file or folder is an error, never skipped. A file that becomes unreadable later fails with a DataError naming it when it is read.
+file), and an unreadable file or folder is an error, never skipped. A file that becomes unreadable later fails with
+a DataError naming it when it is read.
 """
 
 from __future__ import annotations
