@@ -2,8 +2,8 @@
 0.12; the floor has none), equal the blockwise kernel: out, lse, and dq / dk / dv given out and lse cotangents, on
 packed rows with padding, GQA, MLA's widths (192 / 128), a ring step's pieces (query indices past the keys'), a
 sliding window, full attention on unequal lengths, and a row no query of which sees a key at 256 / 256 (dk and dv
-as two kernels). Their
-H100 compiles are in tests/gpu_compile/test_pallas_kernels.py."""
+as two kernels), with the interpreter's race detector on (a race between the kernel's threads raises). Their H100
+compiles are in tests/gpu_compile/test_pallas_kernels.py."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +48,7 @@ def test_mosaic_equals_blockwise(case):
     q_tokens = Tokens(jnp.asarray(seg[:, offset : offset + tq]), np.arange(offset, offset + tq, dtype=np.int32))
     kv_tokens = Tokens(jnp.asarray(seg[:, :tk]), np.arange(tk, dtype=np.int32))
     options = Options(causal=causal, window=window, scale=dqk**-0.5)
-    interpret = plgpu.InterpretGPUParams()
+    interpret = plgpu.InterpretGPUParams(detect_races=True)  # a race between the kernel's threads raises
 
     out, lse = mosaic.forward(q, k, v, q_tokens, kv_tokens, options=options, interpret=interpret)
     want_out, want_lse = blockwise.forward(q, k, v, q_tokens, kv_tokens, options=options)
