@@ -165,7 +165,8 @@ def _initial_state(
     graphdef, abstract, shardings = abstract
     restored = None
     if checkpoints:
-        restored = checkpoints.restore_latest(abstract, train_iter, to_dict(config), takes_position)
+        restart = config.data.on_change == "restart"
+        restored = checkpoints.restore_latest(abstract, train_iter, to_dict(config), takes_position, restart)
     if restored:
         log.info("resumed from step %d", restored[0])
         return restored[0], TrainState(graphdef, restored[1], shardings)

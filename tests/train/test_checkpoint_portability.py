@@ -71,11 +71,11 @@ def two_process_checkpoint(tmp_path_factory):
     return directory, state
 
 
-def restore(directory: pathlib.Path, iterator):
+def restore(directory: pathlib.Path, iterator, fresh_if_unusable: bool = False):
     _, abstract, _ = abstract_state(MODEL, TX, make_mesh(MeshConfig(fsdp=8)))
     checkpointer = Checkpointer(directory, keep=3)
     try:
-        return checkpointer.restore_latest(abstract, iterator)
+        return checkpointer.restore_latest(abstract, iterator, fresh_if_unusable=fresh_if_unusable)
     finally:
         checkpointer.close()
 
@@ -109,7 +109,10 @@ def test_a_data_position_written_by_two_processes_resumes_in_one(two_process_che
             r"holds .*process_0-of-2.txt, process_1-of-2.txt, not metadata or process_I-of-N.json",
         ),
         (lambda data: (data / "process_0-of-2.json").write_text("{"), r"process_0-of-2.json does not read"),
-        (lambda data: (data / "process_0-of-2.json").write_text('{"x": 1}'), r"this run's data cannot take it"),
+        (
+            lambda data: (data / "process_0-of-2.json").write_text('{"x": 1}'),
+            r"its iterator state does not fit this run's data pipeline \(KeyError: .*\): saved by a version",
+        ),
     ],
     ids=["no-file", "no-item", "unexpected-files", "not-json", "another-iterator"],
 )
@@ -122,6 +125,10 @@ def test_a_data_position_the_run_cannot_use_is_refused_and_nothing_moved(
     with pytest.raises(CheckpointError, match=rf"checkpoint step {STEP} in {directory} .*: .*{message}") as info:
         restore(directory, data_iterator())
     assert "Nothing was moved" in str(info.value) and "\n" not in str(info.value)
+    assert "start the data position fresh with data.on_change=restart" in str(info.value)
+    assert listing(directory) == before
+    iterator = data_iterator()  # data.on_change=restart: the model, optimizer and step, the data from its start
+    assert restore(directory, iterator, fresh_if_unusable=True)[0] == STEP and next(iterator) == 0
     assert listing(directory) == before
 
 

@@ -136,7 +136,11 @@ def set_position(iterator, path: pathlib.Path) -> None:
     try:
         iterator.set_state(state)
     except Exception as error:  # noqa: BLE001 - grain raises whatever the state's shape provokes
-        raise _unusable_position(path, f"this run's data cannot take it ({_first_line(error)})") from None
+        raise _unusable_position(
+            path,
+            f"its iterator state does not fit this run's data pipeline ({_first_line(error)}): saved by a version of "
+            f"longctx whose pipeline keeps its place otherwise, or on other data settings",
+        ) from None
     iterator.start_prefetch()
 
 
@@ -145,7 +149,8 @@ def _unusable_position(path: pathlib.Path, what: str) -> CheckpointError:
     return CheckpointError(
         f"checkpoint step {path.name} in {path.parent} has no data position this run can use: {what}. Nothing was "
         f"moved. To resume from the checkpoint before it, move this one out of the way (mv {path} {path}.unused); "
-        f"to keep its parameters only, start a new train.output_dir with checkpoint.init_from={path}"
+        f"to keep its model, optimizer and step, start the data position fresh with data.on_change=restart; to keep "
+        f"its parameters only, start a new train.output_dir with checkpoint.init_from={path}"
     )
 
 
@@ -254,6 +259,7 @@ class Checkpointer:
         data_iterator,
         config: dict | None = None,
         takes_position: Callable[[dict | None, str], bool] | None = None,
+        fresh_if_unusable: bool = False,
     ) -> tuple[int, nnx.State] | None:
         """Restores the newest readable checkpoint into `abstract`'s shapes and shardings, and the iterator.
 
@@ -263,7 +269,8 @@ class Checkpointer:
         (`config`, the run's resolved config, lets the message name what changed) or a data position
         `data_iterator` cannot take, and when none can be read but some were set aside (now or by an earlier
         run). `takes_position(the data record saved in its meta or None, "checkpoint step N")` decides whether the
-        iterator takes the saved position (else it starts fresh) and may refuse the checkpoint by raising."""
+        iterator takes the saved position (else it starts fresh) and may refuse the checkpoint by raising;
+        `fresh_if_unusable` starts it fresh, with a warning, where it cannot take the position instead of refusing."""
         for step in sorted(self.manager.all_steps(), reverse=True):
             path = self.directory / str(step)
             try:
@@ -273,7 +280,12 @@ class Checkpointer:
                 continue
             self._check_structure(path, saved, abstract, config)
             if takes_position is None or takes_position(_data_record(path), f"checkpoint step {step}"):
-                set_position(data_iterator, path)  # first: the iterator prefetches while the arrays are read
+                try:
+                    set_position(data_iterator, path)  # first: the iterator prefetches while the arrays are read
+                except CheckpointError as error:
+                    if not fresh_if_unusable:
+                        raise
+                    log.warning("%s; data.on_change=restart: the data position starts fresh", str(error).split(".")[0])
             try:
                 restored = self.manager.restore(
                     step,
