@@ -23,12 +23,13 @@ from flax import nnx
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding, process_rows
 from parallel.planning import to_layout
+from train import divergence
 from train.config import Config, to_dict
 from train.errors import CheckpointError, NonFiniteLoss
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule
 from train.planning.flops import Peak, batch_flops, peak_flops_per_device
-from train.process import divergence, library_log, peers, stall
+from train.process import library_log, peers, stall
 from train.process.stop import Stop
 from train.sample import generate
 from train.state import TrainState
