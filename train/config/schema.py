@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.config import ComputeConfig, ModelConfig
+from models.dtypes import PARAM_DTYPES
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class MixtureComponent:
 # config is read without importing the data libraries)
 FORMATS = ("auto", "text", "jsonl", "parquet")
 PACKINGS = ("concat", "first_fit")
+# the values of optimizer.mu_dtype, as train/optimizer.py implements them: what AdamW's first moment is stored in;
+# param: the parameters' dtype (the second moment's, always)
+MU_DTYPES = ("param", *PARAM_DTYPES)
 
 
 @dataclass(frozen=True)

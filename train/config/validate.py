@@ -22,8 +22,7 @@ from parallel.plan import RING_GRAD_DTYPES
 from parallel.planning import EXPERT_DISPATCHES, check_context, check_tensor
 from parallel.reorder import LAYOUTS
 from parallel.strategies import STRATEGIES
-from train.config.schema import FORMATS, PACKINGS, Config, MeshConfig
-from train.optimizer import MU_DTYPES
+from train.config.schema import FORMATS, MU_DTYPES, PACKINGS, Config, MeshConfig
 
 # key -> the names its registry implements
 CHOICES = {
