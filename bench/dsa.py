@@ -29,7 +29,7 @@ import parallel
 from bench.report import ratio
 from bench.timing import best_time
 from parallel.latent import expand
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.tensor import Tokens
 
 HEADS, LORA, ROPE, NOPE, DV, INDEX_HEADS, INDEX_DIM = 16, 512, 64, 128, 128, 64, 128
@@ -88,7 +88,7 @@ def gathered_bytes(length: int, count: int, shards: int) -> int:
         latent = parallel.Latent(Tokens(rows[None]), kv_b, NOPE)
         return parallel.sparse_attention(q, latent, index=parallel.Index(index_q, index_k, weights), count=count)[0]
 
-    with jax.set_mesh(mesh), use_plan(Plan(strategy="ring", layout="dual_chunk", mesh=mesh)):
+    with jax.set_mesh(mesh), use_parallelism(Parallelism(strategy="ring", layout="dual_chunk", mesh=mesh)):
         text = jax.jit(forward).lower(*args).as_text()
     sizes = {"bf16": 2, "f32": 4, "i32": 4}
     total = 0

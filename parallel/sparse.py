@@ -24,7 +24,7 @@ from parallel.kernels.index_loss import dense_kl, selection_kl
 from parallel.kernels.top_k import top_k
 from parallel.latent import Latent
 from parallel.mesh import logical_spec
-from parallel.plan import current_plan
+from parallel.parallelism import current_parallelism
 from parallel.strategies.common import (
     axis_shards,
     global_index,
@@ -54,7 +54,7 @@ def sparse_attention(q, latent: Latent, *, index: Index, count: int, segment_ids
     nope + rope], MLA's `latent` (parallel.Latent), `segment_ids` [batch, length] (0 = padding) -> (out [batch,
     length, heads, dv], the indexer's loss per query [batch, length] float32: the KL divergence from the attention's
     distribution over the selected keys (heads summed) to the softmax of their index scores, differentiable in
-    `index` only); arrays in the plan's sequence layout (parallel.plan), length sharded over its axis.
+    `index` only); arrays in the parallelism's sequence layout (parallel.parallelism), length sharded over its axis.
 
     Split over context devices (any strategy: the selection may pick keys anywhere before the query), each device
     gathers the row's index keys [length, d] and latents [length, kv_lora + rope] and scores its own queries
@@ -82,19 +82,20 @@ def _run(local, q, latent: Latent, index: Index, segment_ids, scale, *, attends:
     absorbed = jnp.einsum("bthn,rhn->bthr", q[..., :nope], latent.kv_b[..., :nope]).astype(q.dtype)
     queries = jnp.concatenate([absorbed, q[..., nope:]], -1)
     seg = jnp.ones(q.shape[:2], jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    plan = current_plan()
-    mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
+    parallelism = current_parallelism()
+    mesh = parallelism.mesh if parallelism.mesh is not None else jax.sharding.get_abstract_mesh()
     local = functools.partial(local, scale=scale)
     if mesh is None or mesh.empty:
-        return local(queries, latent.tokens.grouped[0], index, *_row_tokens(seg, plan))
-    return _sharded(local, mesh, plan, queries, latent.tokens, index, seg, attends)
+        return local(queries, latent.tokens.grouped[0], index, *_row_tokens(seg, parallelism))
+    return _sharded(local, mesh, parallelism, queries, latent.tokens, index, seg, attends)
 
 
-def _row_tokens(seg, plan, axis=None, shards: int = 1, laid: int = 1):
+def _row_tokens(seg, parallelism, axis=None, shards: int = 1, laid: int = 1):
     """A device's query tokens and the row's key tokens, from its segment ids [batch, n] (gathered over `axis` when
-    the row is split in `shards`, in the plan's layout for `laid` ranks: parallel.strategies.common.layout_shards)
+    the row is split in `shards`, in the parallelism's layout for `laid` ranks:
+    parallel.strategies.common.layout_shards)
     -> (q_tokens, kv_tokens)."""
-    order = global_index(seg.shape[1] * shards, plan, laid)
+    order = global_index(seg.shape[1] * shards, parallelism, laid)
     if shards == 1:
         return Tokens(seg, jnp.asarray(order)), Tokens(seg, jnp.asarray(order))
     q_tokens = Tokens(seg, local_piece(order, shards, lax.axis_index(axis)))
@@ -126,11 +127,11 @@ def _warmup(queries, rows, index: Index, q_tokens, kv_tokens, *, scale, heads_ax
     )  # fmt: skip
 
 
-def _sharded(local, mesh, plan, queries, tokens, index: Index, seg, attends: bool):
-    """`local` on each device's piece, length sharded over the plan's axis, batch and heads as the logical rules say;
-    the row's latent rows, index keys and segment ids gathered -> its outputs (attention [batch, length, heads,
+def _sharded(local, mesh, parallelism, queries, tokens, index: Index, seg, attends: bool):
+    """`local` on each device's piece, length sharded over the parallelism's axis, batch and heads as the logical rules
+    say; the row's latent rows, index keys and segment ids gathered -> its outputs (attention [batch, length, heads,
     kv_lora] if any, the loss [batch, length])."""
-    axis = plan.axis
+    axis = parallelism.axis
     q_spec, _, seg_spec = specs(mesh, axis)
     group = tensor.AXIS if tokens.shards > 1 else None
     rows_spec = PartitionSpec(group, *seg_spec, None)
@@ -142,7 +143,7 @@ def _sharded(local, mesh, plan, queries, tokens, index: Index, seg, attends: boo
 
     def run(queries, rows, index, seg):
         rows, keys = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (rows[0], index.keys))
-        q_tokens, kv_tokens = _row_tokens(seg, plan, axis, shards, laid)
+        q_tokens, kv_tokens = _row_tokens(seg, parallelism, axis, shards, laid)
         return local(queries, rows, index._replace(keys=keys), q_tokens, kv_tokens, heads_axis=heads_axis)
 
     out_specs = (unit(q_spec), unit(seg_spec)) if attends else unit(seg_spec)

@@ -25,7 +25,7 @@ from train.data.sources import open_source
 from train.data.tokenizer import make_tokenizer
 from train.needle import needle_evaluation
 from train.optimizer import make_optimizer
-from train.planning.run_plan import run_plan
+from train.planning.run_parallelism import run_parallelism
 from train.process import library_log
 from train.state import TrainState, abstract_state, create_state
 from train.trainer import Evaluation, Trainer
@@ -92,8 +92,8 @@ def run(config: Config) -> dict:
     }
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
-    plan = run_plan(config, mesh)
-    needle_scores = needle_evaluation(config, mesh, plan, tokenizer, source) if t.needle_lengths else None
+    parallelism = run_parallelism(config, mesh)
+    needle_scores = needle_evaluation(config, mesh, parallelism, tokenizer, source) if t.needle_lengths else None
     check_run_directory(output, config)
     tx = make_optimizer(config.optimizer, t.steps)
     abstract = abstract_state(config.model, tx, mesh, compute=config.compute)  # (graphdef, state, shardings)
@@ -129,7 +129,16 @@ def run(config: Config) -> dict:
         with jax.set_mesh(mesh):
             evaluation = Evaluation(datasets.get("eval"), needle_scores)
             return Trainer(
-                config, train_state, mesh, plan, train_iter, evaluation, checkpoints, start, tokenizer, main_process
+                config,
+                train_state,
+                mesh,
+                parallelism,
+                train_iter,
+                evaluation,
+                checkpoints,
+                start,
+                tokenizer,
+                main_process,
             ).run()
 
 

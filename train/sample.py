@@ -15,9 +15,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallel.mesh import batch_shards, length_shards
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 
-DROPLESS = Plan(expert_dispatch="capacity", expert_capacity=math.inf)  # contiguous, no context strategy
+DROPLESS = Parallelism(expert_dispatch="capacity", expert_capacity=math.inf)  # contiguous, no context strategy
 
 
 def generate(
@@ -44,7 +44,7 @@ def generate(
     replicated = NamedSharding(mesh, PartitionSpec())
     key = jax.random.key(seed)
     new = []
-    with jax.set_mesh(mesh), use_plan(DROPLESS):
+    with jax.set_mesh(mesh), use_parallelism(DROPLESS):
         for index in range(len(ids) - 1, needed - 1):
             key, sub = jax.random.split(key)
             token = int(next_token(train_state.state, jax.device_put(tokens, replicated), index, sub))

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import parallel
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import from_balanced, to_balanced
 from parallel.tensor import Tokens
 from tests.parallel.attention_reference import packed_segments, relative_error
@@ -101,8 +101,8 @@ def test_context_split_matches_one_device(strategy, ring, ulysses, tensor, layou
         return outputs, pull(cotangents)
 
     packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=ring))
-    plan = Plan(strategy=strategy, axis=axis, layout=layout, stripe=2)
-    with jax.set_mesh(mesh), use_plan(plan):
+    parallelism = Parallelism(strategy=strategy, axis=axis, layout=layout, stripe=2)
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         lowered = jax.jit(run, in_shardings=NamedSharding(mesh, PartitionSpec())).lower(q, rows, kv_b, index, packed)
         program, compiled = lowered.as_text(), lowered.compile()
         results = [(seg, compiled(q, rows, kv_b, index, seg)) for seg in (packed, jnp.ones((BATCH, LENGTH), jnp.int32))]
@@ -136,7 +136,7 @@ def test_dense_warmup_loss_split_matches_one_device(strategy, ring, tensor, layo
         loss = warmup(laid(q), laid(rows), kv_b, [laid(x) for x in index], laid(packed))
         return jnp.sum(from_balanced(loss, ring, **order) * w)
 
-    with jax.set_mesh(mesh), use_plan(Plan(strategy=strategy, axis="context", layout=layout, stripe=2)):
+    with jax.set_mesh(mesh), use_parallelism(Parallelism(strategy=strategy, axis="context", layout=layout, stripe=2)):
         loss, grads = jax.jit(jax.value_and_grad(run))(index)
     want, want_grads = jax.value_and_grad(lambda index: jnp.sum(warmup(q, rows, kv_b, index, packed) * w))(index)
     assert relative_error(loss, want) < 2e-5

@@ -163,7 +163,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """A run: the model, how it computes, its data, optimizer, loop, checkpoints, mesh and parallel plan."""
+    """A run: the model, how it computes, its data, optimizer, loop, checkpoints, mesh and parallelism."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)
