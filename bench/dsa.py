@@ -1,9 +1,9 @@
-"""DeepSeek sparse attention (parallel/sparse.py) against dense latent attention, in the same run: one layer's forward +
-backward (sparse: with the indexer's loss and its gradient, as training runs it) on one CPU device (DeepSeek-V3.2's
-index_topk 2048, latent 512 + 64, index keys 128 wide with 64 index heads; 16 query heads to fit a CPU), timed at the
-shorter lengths and compiled at all, with the compiled temporaries of each and their slope with length (log-log: 1 is
-T, 2 is T^2); then what a split over 8 context devices gathers per device and layer at the longest length (from the
-compiled all-gathers) against what a ring rotating the latent moves.
+"""DeepSeek sparse attention (parallel/deepseek_sparse.py) against dense latent attention, in the same run: one layer's
+forward + backward (sparse: with the indexer's loss and its gradient, as training runs it) on one CPU device
+(DeepSeek-V3.2's index_topk 2048, latent 512 + 64, index keys 128 wide with 64 index heads; 16 query heads to fit a
+CPU), timed at the shorter lengths and compiled at all, with the compiled temporaries of each and their slope with
+length (log-log: 1 is T, 2 is T^2); then what a split over 8 context devices gathers per device and layer at the longest
+length (from the compiled all-gathers) against what a ring rotating the latent moves.
 
     PYTHONPATH=. python bench/dsa.py           # 8K run, 32K and 128K compiled only (about 12 minutes on 2 cores)
     PYTHONPATH=. python bench/dsa.py --quick   # 4K and 8K run, index_topk 512 (about 6 minutes)

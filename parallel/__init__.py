@@ -13,6 +13,7 @@ import dataclasses
 import jax
 
 from parallel import compat  # noqa: F401  first of the package: refuses a JAX outside the supported range
+from parallel.deepseek_sparse import Index, indexer_warmup, sparse_attention
 from parallel.experts import routed_experts
 from parallel.latent import Latent
 from parallel.lookup import lookup
@@ -20,7 +21,6 @@ from parallel.mesh import logical_spec
 from parallel.parallelism import current_parallelism
 from parallel.recurrent import causal_conv, gated_delta
 from parallel.reorder import LAYOUTS
-from parallel.sparse import Index, indexer_warmup, sparse_attention
 from parallel.strategies import ROTATES_LATENT, STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 

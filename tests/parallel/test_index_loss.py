@@ -9,7 +9,7 @@ import pytest
 
 from parallel.kernels import Options, Tokens
 from parallel.kernels.index_loss import dense_kl, selection_kl
-from parallel.kernels.sparse import attention
+from parallel.kernels.selected_attention import attention
 from parallel.kernels.top_k import index_scores, top_k
 from tests.parallel.attention_reference import relative_error
 from tests.parallel.test_sparse_attention import (
@@ -71,8 +71,8 @@ def test_dense_warmup_loss_matches_a_dense_reference(layout, block_kv):
 
 @pytest.mark.parametrize("count", [3, 12])
 def test_selection_loss_matches_a_dense_reference(count):
-    """The attention's head-summed probabilities of the selection as target (parallel.kernels.sparse): the KL over the
-    selected keys equals the dense reference restricted to them; an all-padding row has loss 0."""
+    """The attention's head-summed probabilities of the selection as target (parallel.kernels.selected_attention): the
+    KL over the selected keys equals the dense reference restricted to them; an all-padding row has loss 0."""
     segment_ids, order, _ = layouts()["packed"]
     tokens = Tokens(jnp.asarray(segment_ids), jnp.asarray(order, jnp.int32))
     index = index_inputs(seed=4)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from parallel.kernels import Options, Tokens
-from parallel.kernels.sparse import attention
+from parallel.kernels.selected_attention import attention
 from parallel.kernels.top_k import Selection, index_scores, top_k
 from parallel.segments import visible_pairs
 from tests.parallel.attention_reference import packed_segments, relative_error

@@ -1,6 +1,6 @@
 """DeepSeek sparse attention (DSA, DeepSeek-V3.2 and GLM-5): the indexer's scores choose each query's `count` best
-visible keys (parallel.kernels.top_k) and attention reads only those (parallel.kernels.sparse). MLA's latent is the
-one key and value every head shares there (the absorbed form DeepSeek runs), so a query block gathers
+visible keys (parallel.kernels.top_k) and attention reads only those (parallel.kernels.selected_attention). MLA's latent
+is the one key and value every head shares there (the absorbed form DeepSeek runs), so a query block gathers
 kv_lora + rope numbers per selected key, not heads x (nope + rope + dv). Beside the output comes the indexer's loss
 (parallel.kernels.index_loss): over the selection in `sparse_attention`, over every visible key in `indexer_warmup`
 (the dense warm-up, whose output is dense attention's). Over context devices the row's index keys and latents are
@@ -18,8 +18,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from parallel import tensor
-from parallel.kernels import Options, Tokens
-from parallel.kernels import sparse as sparse_kernel
+from parallel.kernels import Options, Tokens, selected_attention
 from parallel.kernels.index_loss import dense_kl, selection_kl
 from parallel.kernels.top_k import top_k
 from parallel.latent import Latent
@@ -109,7 +108,7 @@ def _attend(queries, rows, index: Index, q_tokens, kv_tokens, *, count, lora, sc
     queries_i, keys_i, weights_i = index
     selection = top_k(queries_i, weights_i, keys_i, q_tokens, kv_tokens, count=count, options=SELECTION_OPTIONS)
     # one key and value head, shared by every query head: the rows, whose first kv_lora features are the values
-    out, probabilities = sparse_kernel.attention(queries, rows[:, :, None], lora, selection, scale=scale)
+    out, probabilities = selected_attention.attention(queries, rows[:, :, None], lora, selection, scale=scale)
     if heads_axis is not None:
         probabilities = lax.psum(probabilities, heads_axis)
     return out, selection_kl(queries_i, weights_i, keys_i, selection, probabilities / heads)
