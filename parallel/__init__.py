@@ -1,7 +1,7 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
 tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.lookup` (the
 embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.sparse_attention` and
-`parallel.indexer_warmup` (with the indexer's `parallel.Index`), `parallel.shard` (logical names),
+`parallel.indexer_warmup` (with the indexer's `parallel.IndexerOutput`), `parallel.shard` (logical names),
 `parallel.residual`, `parallel.gather`, `parallel.project_scatter`, `parallel.routed_experts` and, for Gated
 DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
 """
@@ -13,7 +13,7 @@ import dataclasses
 import jax
 
 from parallel import compat  # noqa: F401  first of the package: refuses a JAX outside the supported range
-from parallel.deepseek_sparse import Index, indexer_warmup, sparse_attention
+from parallel.deepseek_sparse import IndexerOutput, indexer_warmup, sparse_attention
 from parallel.experts import routed_experts
 from parallel.latent import Latent
 from parallel.lookup import lookup
@@ -25,7 +25,7 @@ from parallel.strategies import ROTATES_LATENT, STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
 __all__ = [
-    "Index",
+    "IndexerOutput",
     "Latent",
     "attention",
     "causal_conv",
