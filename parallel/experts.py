@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec
 
 from parallel.mesh import logical_spec, spec_axes
 from parallel.parallelism import current_parallelism
+from parallel.rounding import ceil_div
 from parallel.tensor import token_layout
 
 DISPATCHES = ("capacity", "ragged")
@@ -156,7 +157,7 @@ def _chunked(x, chunk: int, run):
     batch, length, d = x.shape
     n = batch * length
     tokens, row = x.reshape(n, d), jnp.arange(n, dtype=jnp.int32) // length
-    pieces = next(p for p in range(-(-n // chunk) if chunk else 1, n + 1) if n % p == 0)
+    pieces = next(p for p in range(ceil_div(n, chunk) if chunk else 1, n + 1) if n % p == 0)
     if pieces == 1:
         y, *sums = run(tokens, row, batch)
         return y.reshape(x.shape), *sums

@@ -18,6 +18,7 @@ from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding, batch_shards, length_shards
 from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import layout_index
+from parallel.rounding import round_up
 from parallel.settings import to_layout
 from train.config import ConfigError
 from train.data.haystack import TASKS, check_grid, needle_grid
@@ -66,7 +67,7 @@ def model_predictor(
         rows, length = tokens.shape
         if length % length_shards(mesh):
             raise ValueError(f"needle length {length} must be a multiple of {length_shards(mesh)} on this mesh")
-        padded = -(-rows // batch_shards(mesh)) * batch_shards(mesh)  # every batch shard gets a row
+        padded = round_up(rows, batch_shards(mesh))  # every batch shard gets a row
         tokens = np.resize(tokens, (padded, length))
         batch = {
             "tokens": tokens,

@@ -22,6 +22,7 @@ from parallel.kernels.blockwise import (
     side_block,
     take_block,
 )
+from parallel.kernels.softmax import finish_lse, safe_shift
 from parallel.kernels.top_k import Selection, index_scores
 
 
@@ -119,10 +120,10 @@ def dense_kl(
         start = lambda shape: (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32))
         steps = jnp.arange(nk)
         attention, indexer = lax.scan(jax.checkpoint(lse_step), (start((bq, kv_heads, group)), start((bq,))), steps)[0]
-        attention_lse = lax.stop_gradient(_finish(*attention))
+        attention_lse = lax.stop_gradient(finish_lse(*attention))
         zero = jnp.zeros((bq,), jnp.float32)
         (entropy, cross), _ = lax.scan(jax.checkpoint(kl_step), (zero, zero), steps)
-        indexer_lse = _finish(*indexer)
+        indexer_lse = finish_lse(*indexer)
         return jnp.where(jnp.isfinite(indexer_lse), entropy - cross + indexer_lse, 0.0)
 
     return lax.map(q_block, jnp.arange(batch * nq)).reshape(batch, nq * bq)[:, :tq]
@@ -132,12 +133,7 @@ def _online(top, total, s):
     """A running log-sum-exp (top: the maximum so far, held without gradient; total: sum exp(s - top)) updated with
     the scores s [..., bk]."""
     new_top = lax.stop_gradient(jnp.maximum(top, jnp.max(s, -1)))
-    safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+    safe = safe_shift(new_top)
     return new_top, total * jnp.exp(jnp.where(jnp.isfinite(top), top - safe, -jnp.inf)) + jnp.exp(
         s - safe[..., None]
     ).sum(-1)
-
-
-def _finish(top, total):
-    """The log-sum-exp of a running (top, total): -inf where no score was finite."""
-    return jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)

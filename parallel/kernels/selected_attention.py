@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel.kernels.blockwise import pad, padded_blocks
+from parallel.kernels.softmax import backward_delta, finish_lse, safe_shift
 from parallel.kernels.top_k import Selection
 
 
@@ -40,11 +41,9 @@ def _probabilities(q_blk, k_sel, seen, scale, lse=None):
     s = jnp.einsum("qhgd,qchd->qhgc", q_blk, k_sel, preferred_element_type=jnp.float32) * scale
     s = jnp.where(seen[:, None, None], s, -jnp.inf)
     if lse is None:
-        top = jnp.max(s, -1)
-        top = jnp.where(jnp.isfinite(top), top, 0.0)
-        total = jnp.exp(s - top[..., None]).sum(-1)
-        lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    return jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), lse
+        top = safe_shift(jnp.max(s, -1))
+        lse = finish_lse(top, jnp.exp(s - top[..., None]).sum(-1))
+    return jnp.exp(s - safe_shift(lse)[..., None]), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
@@ -89,7 +88,7 @@ def _attention_backward(scale, block_q, values, residuals, cotangents):
     kv_heads, dv = k.shape[2], values
     group = heads // kv_heads
     bq, nq = padded_blocks(tq, block_q)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1).reshape(batch, tq, kv_heads, group)
+    delta = backward_delta(out, dout).reshape(batch, tq, kv_heads, group)
     q, dout, selected, valid = pad(q, 1, bq), pad(dout, 1, bq), pad(selected, 1, bq), pad(valid, 1, bq)
     lse, delta = pad(lse, 1, bq, -jnp.inf), pad(delta, 1, bq)
 
