@@ -45,7 +45,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import parallel
 from bench.report import ratio
 from parallel import kernels
-from parallel.plan import current_plan, use_plan
+from parallel.parallelism import current_parallelism, use_parallelism
 from parallel.reorder import layout_index
 from parallel.segments import block_summary, visible_blocks
 
@@ -178,8 +178,8 @@ def all_gather_local(cp: int, args: argparse.Namespace) -> Memory:
 
 
 def memory(args: argparse.Namespace) -> tuple[str, list[str], list[tuple[str, str, float]]]:
-    blocks = dataclasses.replace(current_plan(), block_q=args.block, block_kv=args.block)
-    with use_plan(blocks):
+    blocks = dataclasses.replace(current_parallelism(), block_q=args.block, block_kv=args.block)
+    with use_parallelism(blocks):
         return memory_tables(args)
 
 

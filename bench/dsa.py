@@ -1,9 +1,9 @@
-"""DeepSeek sparse attention (parallel/sparse.py) against dense latent attention, in the same run: one layer's forward +
-backward (sparse: with the indexer's loss and its gradient, as training runs it) on one CPU device (DeepSeek-V3.2's
-index_topk 2048, latent 512 + 64, index keys 128 wide with 64 index heads; 16 query heads to fit a CPU), timed at the
-shorter lengths and compiled at all, with the compiled temporaries of each and their slope with length (log-log: 1 is
-T, 2 is T^2); then what a split over 8 context devices gathers per device and layer at the longest length (from the
-compiled all-gathers) against what a ring rotating the latent moves.
+"""DeepSeek sparse attention (parallel/deepseek_sparse.py) against dense latent attention, in the same run: one layer's
+forward + backward (sparse: with the indexer's loss and its gradient, as training runs it) on one CPU device
+(DeepSeek-V3.2's index_topk 2048, latent 512 + 64, indexer keys 128 wide with 64 index heads; 16 query heads to fit a
+CPU), timed at the shorter lengths and compiled at all, with the compiled temporaries of each and their slope with
+length (log-log: 1 is T, 2 is T^2); then what a split over 8 context devices gathers per device and layer at the longest
+length (from the compiled all-gathers) against what a ring rotating the latent moves.
 
     PYTHONPATH=. python bench/dsa.py           # 8K run, 32K and 128K compiled only (about 12 minutes on 2 cores)
     PYTHONPATH=. python bench/dsa.py --quick   # 4K and 8K run, index_topk 512 (about 6 minutes)
@@ -29,7 +29,7 @@ import parallel
 from bench.report import ratio
 from bench.timing import best_time
 from parallel.latent import expand
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.tensor import Tokens
 
 HEADS, LORA, ROPE, NOPE, DV, INDEX_HEADS, INDEX_DIM = 16, 512, 64, 128, 128, 64, 128
@@ -49,11 +49,11 @@ def layer(sparse: bool, count: int):
     """grad of sum(out * w) in q, the rows and kv_b for one attention layer, sparse (plus its indexer's loss, whose
     gradient reaches the indexer's queries, keys and weights) or dense."""
 
-    def loss(q, rows, kv_b, index_q, index_k, weights, w):
+    def loss(q, rows, kv_b, indexer_q, indexer_k, weights, w):
         latent = parallel.Latent(Tokens(rows[None]), kv_b, NOPE)
         if sparse:
-            index = parallel.Index(index_q, index_k, weights)
-            out, indexer_loss = parallel.sparse_attention(q, latent, index=index, count=count)
+            indexer_out = parallel.IndexerOutput(indexer_q, indexer_k, weights)
+            out, indexer_loss = parallel.sparse_attention(q, latent, indexer_out=indexer_out, count=count)
             return jnp.sum(out * w) + jnp.sum(indexer_loss)
         out = parallel.attention(q, *expand(kv_b, rows, NOPE), causal=True, latent=latent)
         return jnp.sum(out * w)
@@ -84,11 +84,13 @@ def gathered_bytes(length: int, count: int, shards: int) -> int:
         for a in arguments(length)
     ]
 
-    def forward(q, rows, kv_b, index_q, index_k, weights, w):
+    def forward(q, rows, kv_b, indexer_q, indexer_k, weights, w):
         latent = parallel.Latent(Tokens(rows[None]), kv_b, NOPE)
-        return parallel.sparse_attention(q, latent, index=parallel.Index(index_q, index_k, weights), count=count)[0]
+        return parallel.sparse_attention(
+            q, latent, indexer_out=parallel.IndexerOutput(indexer_q, indexer_k, weights), count=count
+        )[0]
 
-    with jax.set_mesh(mesh), use_plan(Plan(strategy="ring", layout="dual_chunk", mesh=mesh)):
+    with jax.set_mesh(mesh), use_parallelism(Parallelism(strategy="ring", layout="dual_chunk", mesh=mesh)):
         text = jax.jit(forward).lower(*args).as_text()
     sizes = {"bf16": 2, "f32": 4, "i32": 4}
     total = 0
@@ -132,7 +134,7 @@ def main() -> None:
     sparse = gathered_bytes(length, count, shards)
     ring = (shards - 1) * (length // shards) * (LORA + ROPE) * 2  # bfloat16 latent rows, one piece per step
     print(f"\n{length:,} tokens over {shards} context devices, bfloat16, forward: sparse attention gathers "
-          f"{sparse / MIB:,.1f} MiB a device and layer (latent rows, index keys, segment ids); a ring rotating the "
+          f"{sparse / MIB:,.1f} MiB a device and layer (latent rows, indexer keys, segment ids); a ring rotating the "
           f"latent moves {ring / MIB:,.1f} MiB")  # fmt: skip
     ratio(f"bytes per device and layer at {length:,} over {shards}, sparse", "ring (latent)", sparse / ring)
 

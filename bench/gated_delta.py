@@ -42,7 +42,7 @@ from bench.collectives import total_bytes
 from bench.report import ratio
 from bench.timing import best_time
 from parallel import targets
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 
 CP, TAPS, MIB = 8, 4, 2**20
 # Qwen3.5-35B-A3B's linear and full attention layers
@@ -117,14 +117,14 @@ def abstract(shape, dtype, sharding, kind):
 
 def timed(args, mesh) -> None:
     """Part 1: seconds and temp per device of each layer at each length, and the slopes."""
-    plan = Plan(strategy="ring", layout="dual_chunk", mesh=mesh)
+    parallelism = Parallelism(strategy="ring", layout="dual_chunk", mesh=mesh)
     print(f"\n## One layer forward + backward on {CP} simulated CPU devices (ring, dual_chunk), 4 heads of 64\n")
     print("| T | Gated DeltaNet s | temp MiB | attention s | temp MiB | attention / Gated DeltaNet |")
     print("| --- | --- | --- | --- | --- | --- |")
     times = {"gdn": {}, "attention": {}}
     for index, length in enumerate(args.lengths):
         make = random_maker(index)
-        with use_plan(plan):
+        with use_parallelism(parallelism):
             recurrence = recurrence_grad(mesh)
             inputs = recurrence_inputs(length, 4, 4, 64, 64, jnp.float32, mesh, make)
             times["gdn"][length] = best_time(recurrence, inputs, args.repeats, long_call_s=60)
@@ -155,12 +155,12 @@ def compiled_bytes(args) -> None:
     """Part 2: collective bytes per device and temp of one layer at Qwen3.5-35B-A3B's shapes, compiled."""
     if args.target == "h100":
         mesh = Mesh(np.array(targets.compile_only_devices("h100", CP)), ("context",))
-        plan = Plan(platform="gpu", capability="9.0", strategy="ring", layout="dual_chunk", mesh=mesh)
+        parallelism = Parallelism(platform="gpu", capability="9.0", strategy="ring", layout="dual_chunk", mesh=mesh)
     else:
         mesh = Mesh(np.array(jax.devices()[:CP]), ("context",))
-        plan = Plan(strategy="ring", layout="dual_chunk", mesh=mesh)
+        parallelism = Parallelism(strategy="ring", layout="dual_chunk", mesh=mesh)
     length = args.length
-    with use_plan(plan):
+    with use_parallelism(parallelism):
         inputs = recurrence_inputs(length, KEY_HEADS, VALUE_HEADS, KEY_DIM, VALUE_DIM, jnp.bfloat16, mesh, abstract)
         recurrence = recurrence_grad(mesh).lower(*inputs).compile()
         inputs = attention_inputs(length, HEADS, KV_HEADS, HEAD_DIM, jnp.bfloat16, mesh, abstract)

@@ -47,7 +47,7 @@ def compile_layer(devices, *, length: int, heads: int, latent: bool, kernel: str
 
     import parallel
     from parallel.latent import expand
-    from parallel.plan import Plan, use_plan
+    from parallel.parallelism import Parallelism, use_parallelism
 
     lora, rope, nope, dv = 512, 64, 128, 128
     mesh = Mesh(np.array(devices), ("context",))
@@ -67,8 +67,8 @@ def compile_layer(devices, *, length: int, heads: int, latent: bool, kernel: str
         out = parallel.attention(q, k, v, causal=True, latent=bundle)
         return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
 
-    plan = Plan(strategy="ring", layout="dual_chunk", kernel=kernel, platform="gpu", capability="9.0")
-    with jax.set_mesh(mesh), use_plan(plan):
+    parallelism = Parallelism(strategy="ring", layout="dual_chunk", kernel=kernel, platform="gpu", capability="9.0")
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args)
         start = time.perf_counter()
         compiled = lowered.compile()

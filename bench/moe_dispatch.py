@@ -36,7 +36,7 @@ from bench.timing import best_time
 from bench.tp_collectives import BYTES, _group_size, _prod, moved_bytes
 from layers.moe import MoE, expert_swiglu
 from parallel.mesh import make_mesh, state_shardings
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.tensor import residual_spec
 from train.config import MeshConfig, load_config
 from train.planning.memory import CPU_OPTIONS
@@ -68,7 +68,8 @@ def dispatched(moe: MoE, x: jax.Array):
 
 
 def block_step(config, impl, length: int, chunk: int = 0):
-    """(jitted forward + backward of one MoE block under the mesh and plan, its abstract (state, x), mesh, plan)."""
+    """(jitted forward + backward of one MoE block under the mesh and parallelism, its abstract (state, x), mesh,
+    parallelism)."""
     moe = nnx.eval_shape(
         lambda: MoE(
             config.embed_dim,
@@ -84,24 +85,24 @@ def block_step(config, impl, length: int, chunk: int = 0):
     )
     graphdef, state = nnx.split(moe)
     mesh = make_mesh(MeshConfig(fsdp=-1, context=CONTEXT))
-    plan = Plan(expert_chunk=chunk)
+    parallelism = Parallelism(expert_chunk=chunk)
 
     def loss(state, x):
         y, stats = impl(nnx.merge(graphdef, state), x)
         return jnp.sum(y.astype(jnp.float32) ** 2) + stats["dropped"]
 
-    with jax.set_mesh(mesh), use_plan(plan):
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         shardings = nnx.state(state_shardings(state, mesh))
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)
         x = jax.ShapeDtypeStruct(
             (1, length, config.embed_dim), jnp.bfloat16, sharding=NamedSharding(mesh, residual_spec())
         )
-    return jax.jit(jax.grad(loss, argnums=(0, 1))), (state, x), mesh, plan
+    return jax.jit(jax.grad(loss, argnums=(0, 1))), (state, x), mesh, parallelism
 
 
 def compiled(config, impl, length: int, chunk: int = 0):
-    step, args, mesh, plan = block_step(config, impl, length, chunk)
-    with jax.set_mesh(mesh), use_plan(plan):
+    step, args, mesh, parallelism = block_step(config, impl, length, chunk)
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         return step.lower(*args).compile(CPU_OPTIONS)
 
 
@@ -119,8 +120,8 @@ def all_to_all_bytes(hlo: str) -> float:
 
 def seconds(config, impl, length: int, repeats: int) -> float:
     """Best wall time of the block's forward + backward on real (random) arrays."""
-    step, (state, x), mesh, plan = block_step(config, impl, length)
-    with jax.set_mesh(mesh), use_plan(plan):
+    step, (state, x), mesh, parallelism = block_step(config, impl, length)
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         real = jax.tree.map(
             lambda a: jax.device_put(
                 0.02 * jax.random.normal(jax.random.key(0), a.shape, a.dtype)

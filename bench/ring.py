@@ -58,7 +58,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import parallel
 from bench.report import ratio
 from parallel import kernels
-from parallel.plan import current_plan, use_plan
+from parallel.parallelism import current_parallelism, use_parallelism
 from parallel.reorder import layout_index
 
 MIB = 2**20
@@ -227,7 +227,10 @@ def main() -> None:
         f"T = {args.length:,}, {args.heads} heads x {args.head_dim}, block {args.block}"
     )
 
-    with jax.set_mesh(mesh), use_plan(dataclasses.replace(current_plan(), block_q=args.block, block_kv=args.block)):
+    with (
+        jax.set_mesh(mesh),
+        use_parallelism(dataclasses.replace(current_parallelism(), block_q=args.block, block_kv=args.block)),
+    ):
         ring_grad, ring_out = ours(mesh, args)
         rows = [
             Row("matmul floor (useful FLOPs as batched matmuls)", matmul_floor(mesh, args), natural[:3]),

@@ -29,7 +29,7 @@ from bench.collectives import BYTES
 from bench.report import ratio
 from models.deepseek import Block
 from parallel.mesh import make_mesh, state_shardings
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.tensor import residual_spec
 from train.config import MeshConfig, ModelConfig, RopeScalingConfig
 
@@ -126,8 +126,8 @@ def compile_on_block(config: ModelConfig, fn, *, moe: bool, scatter: bool, token
     def on_state(state, x):
         return fn(nnx.merge(graphdef, state), x)
 
-    plan = Plan(scatter=scatter, block_q=1024, block_kv=1024)
-    with jax.set_mesh(mesh), use_plan(plan):
+    parallelism = Parallelism(scatter=scatter, block_q=1024, block_kv=1024)
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         shardings = (nnx.state(state_shardings(state, mesh)), NamedSharding(mesh, residual_spec()))
         compiled_fn = jax.grad(on_state, argnums=(0, 1)) if grad else on_state
         return jax.jit(compiled_fn, in_shardings=shardings).lower(state, x).compile()

@@ -39,7 +39,7 @@ from flax import nnx
 
 from bench.report import ratio, skip
 from parallel.mesh import batch_sharding, check_batch, make_mesh
-from parallel.planning import make_plan
+from parallel.settings import make_parallelism
 from train.config import Config, load_config
 from train.optimizer import make_optimizer
 from train.planning.flops import PEAK_FLOPS, flops_per_token, peak_flops_per_device
@@ -176,7 +176,7 @@ def prepare(config: Config, doc_len: int = 0) -> Run:
             mesh,
             chunk_size=config.compute.loss_chunk_size,
             accum_steps=config.train.grad_accum_steps,
-            plan=make_plan(config.parallel, mesh.shape, mesh.devices.flat[0]),
+            parallelism=make_parallelism(config.parallel, mesh.shape, mesh.devices.flat[0]),
         )
         batch = random_batch(config, mesh, doc_len)  # random tokens: the sequence layout changes nothing measured
         run = Run(

@@ -41,7 +41,7 @@ from bench.collectives import total_bytes
 from bench.report import ratio
 from bench.timing import best_time
 from parallel import kernels, targets
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import layout_index
 
 CP, GIB, MIB = 8, 2**30, 2**20
@@ -70,9 +70,9 @@ def compiled_costs(args) -> None:
     """Part 1: bytes sent and temp per device for each window and layout against the full causal ring."""
     if args.target == "h100":
         mesh = Mesh(np.array(targets.compile_only_devices("h100", CP)), ("context",))
-        plan = Plan(platform="gpu", capability="9.0")
+        parallelism = Parallelism(platform="gpu", capability="9.0")
     else:
-        mesh, plan = Mesh(np.array(jax.devices()[:CP]), ("context",)), Plan()
+        mesh, parallelism = Mesh(np.array(jax.devices()[:CP]), ("context",)), Parallelism()
     print(f"\n## Ring on {CP} {args.target} devices, T = {args.length}, one layer forward + backward (Mistral-7B "
           f"attention, bfloat16)\n")  # fmt: skip
     print("| layout | window | sent per device (MiB) | vs full ring | temp per device (MiB) | vs full ring |")
@@ -80,7 +80,7 @@ def compiled_costs(args) -> None:
     for layout in ("dual_chunk", "contiguous"):
         rows = {}
         for name, window in (("no window (full causal ring)", None), *WINDOWS):
-            with use_plan(plan):
+            with use_parallelism(parallelism):
                 compiled = gradient(window, layout, mesh).lower(*shapes(args.length, 32, 8, 128, jnp.bfloat16, mesh))
                 compiled = compiled.compile()
             rows[name] = (total_bytes(compiled.as_text()), compiled.memory_analysis().temp_size_in_bytes)
@@ -107,7 +107,7 @@ def timed_costs(args, mesh) -> None:
     print(f"\n## Time, T = {length}, cp = {CP}, dual_chunk, forward + backward (8 simulated devices, 2 cores)\n")
     print("| window | seconds | vs causal ring | work vs causal |")
     print("| --- | --- | --- | --- |")
-    with use_plan(Plan()):  # blocks of 256; with a window at most max(64, W // 2)
+    with use_parallelism(Parallelism()):  # blocks of 256; with a window at most max(64, W // 2)
         causal = best_time(gradient(None, "dual_chunk", mesh), (q, k, v), args.repeats)
         print(f"| none (causal ring) | {causal:.3f} | 1 | 1 |")
         for name, window in ((f"W={length // 2} (half the row)", length // 2), *WINDOWS):

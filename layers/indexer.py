@@ -1,5 +1,5 @@
 """DeepSeek-V3.2's lightning indexer (Hugging Face `DeepseekV32Indexer`, GLM-5's `GlmMoeDsaIndexer`): per token, index
-queries from MLA's query latent, one index key and a weight per index head, whose scores choose the keys sparse
+queries from MLA's query latent, one indexer key and a weight per index head, whose scores choose the keys sparse
 attention reads (`parallel.sparse_attention`). Hugging Face wq_b, wk, k_norm, weights_proj map to wq_b, wk, k_norm,
 weights; a Linear weight [out, in] is our kernel [in, ...out] transposed."""
 
@@ -15,7 +15,7 @@ from layers.rope import apply_rope
 
 
 class Indexer(nnx.Module):
-    """q_latent [batch, length, q_lora] (MLA's normed query latent), x [batch, length, embed] -> parallel.Index:
+    """q_latent [batch, length, q_lora] (MLA's normed query latent), x [batch, length, embed] -> parallel.IndexerOutput:
     queries [batch, length, heads, head_dim], keys [batch, length, head_dim] and weights [batch, length, heads] with
     the softmax scale head_dim^-0.5 and heads^-0.5 folded in (relu(c s) = c relu(s) for c > 0). The first `rope_dim`
     features of queries and keys are rotated, half-split (DeepSeek-V3.2) or in interleaved pairs (GLM-5)."""
@@ -33,7 +33,7 @@ class Indexer(nnx.Module):
         self.k_norm = LayerNorm(head_dim, eps=1e-6, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
         self.weights = normal_param(rngs, (embed_dim, heads), embed_dim, ("embed", "index_heads"), param_dtype)
 
-    def __call__(self, q_latent, x, positions, inv_freq, rope_factor: float = 1.0) -> parallel.Index:
+    def __call__(self, q_latent, x, positions, inv_freq, rope_factor: float = 1.0) -> parallel.IndexerOutput:
         """positions [batch, length]; inv_freq [rope_dim // 2] and rope_factor: MLA's rotary embedding."""
         x = x.astype(self.dtype)
         rope = lambda y: jnp.concatenate(
@@ -46,4 +46,4 @@ class Indexer(nnx.Module):
         queries = rope(jnp.einsum("btr,rhd->bthd", q_latent.astype(self.dtype), self.wq_b[...].astype(self.dtype)))
         keys = rope(self.k_norm(x @ self.wk[...].astype(self.dtype))[:, :, None])[:, :, 0]
         weights = (x @ self.weights[...].astype(self.dtype)).astype(jnp.float32) * self.weight_scale
-        return parallel.Index(queries, keys, weights)
+        return parallel.IndexerOutput(queries, keys, weights)

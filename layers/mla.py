@@ -84,9 +84,9 @@ class MLA(nnx.Module):
             param_dtype,
         )
         self.index_topk, self.index_warmup = index_topk, index_warmup
-        index = dict(heads=index_heads, head_dim=index_head_dim, rope_dim=qk_rope_head_dim)
-        index |= dict(interleaved=index_rope_interleaved, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
-        self.indexer = Indexer(embed_dim, q_lora_rank, **index) if index_topk else None
+        indexer_args = dict(heads=index_heads, head_dim=index_head_dim, rope_dim=qk_rope_head_dim)
+        indexer_args |= dict(interleaved=index_rope_interleaved, param_dtype=param_dtype, dtype=dtype, rngs=rngs)
+        self.indexer = Indexer(embed_dim, q_lora_rank, **indexer_args) if index_topk else None
 
     def __call__(self, x, positions, segment_ids=None):
         """x: [batch, length, embed] in the residual stream's layout, positions/segment_ids: [batch, length] ->
@@ -124,13 +124,13 @@ class MLA(nnx.Module):
         q_pe = rope(q[..., self.qk_nope_head_dim :])
         query = jnp.concatenate([q[..., : self.qk_nope_head_dim], q_pe], axis=-1)
         latent = parallel.Latent(rotated, kv_b, self.qk_nope_head_dim)
-        index = None
+        indexer_out = None
         if self.indexer is not None and (self.index_warmup or x.shape[1] > self.index_topk):
             detached = lax.stop_gradient  # the indexer learns from its own loss only
-            index = self.indexer(detached(query_in), detached(x), positions, inv_freq, self.rope_factor)
+            indexer_out = self.indexer(detached(query_in), detached(x), positions, inv_freq, self.rope_factor)
         kw = dict(segment_ids=segment_ids, scale=self.scale)
-        if index is not None and not self.index_warmup:
-            out, kl = parallel.sparse_attention(query, latent, index=index, count=self.index_topk, **kw)
+        if indexer_out is not None and not self.index_warmup:
+            out, kl = parallel.sparse_attention(query, latent, indexer_out=indexer_out, count=self.index_topk, **kw)
         else:  # every visible key (a row no longer than index_topk selects them all): dense attention
             kv = rotated.features(0, self.kv_lora_rank).project("btr,rhd->bthd", kv_b, "h")
             k_nope = checkpoint_name(kv[..., : self.qk_nope_head_dim], "k_proj")
@@ -138,7 +138,7 @@ class MLA(nnx.Module):
             k_pe = rotated.features(self.kv_lora_rank).per_head(q.shape[2])
             key = jnp.concatenate([k_nope, k_pe], axis=-1)
             out = parallel.attention(query, key, value, causal=True, latent=latent, **kw)
-            kl = None if index is None else parallel.indexer_warmup(query, latent, index=index, **kw)
+            kl = None if indexer_out is None else parallel.indexer_warmup(query, latent, indexer_out=indexer_out, **kw)
         out = parallel.project_scatter("bthd,hde->bte", out, self.o[...].astype(self.dtype), "h")
         return checkpoint_name(out, "o_proj"), {} if kl is None else _indexer_report(kl, segment_ids)
 

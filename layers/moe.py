@@ -5,8 +5,8 @@ Router scores are DeepSeek-V3's sigmoid, with an aux-loss-free selection bias, o
 experts, without one; optional group-limited routing; an optional learned bias of the router's logits (GPT-OSS,
 whose softmax over the top-k logits is the renormalised softmax over all); routed SwiGLU experts, or GPT-OSS's
 clamped SwiGLU experts with biases (layers/clamped_swiglu.py), run where `parallel.routed_experts` sends the tokens
-(dropless on one device; under expert parallelism a capacity per expert that the parallel plan sets); optional shared
-experts, their output scaled by a sigmoid gate in Qwen3-Next and Qwen3.5-MoE (`shared_gate`).
+(dropless on one device; under expert parallelism a capacity per expert that the installed Parallelism sets); optional
+shared experts, their output scaled by a sigmoid gate in Qwen3-Next and Qwen3.5-MoE (`shared_gate`).
 """
 
 from __future__ import annotations

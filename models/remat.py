@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import jax
 
-from parallel.plan import current_plan
+from parallel.parallelism import current_parallelism
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj", "mlp_gate", "mlp_up", "mlp_down")
 
@@ -54,8 +54,8 @@ def check_policy(policy: str, platform: str) -> None:
 
 def remat(fn, policy: str):
     """Wraps `fn` in jax.checkpoint with the named policy ('none' returns fn unchanged), checked for the platform
-    the traced step compiles for (the installed parallel plan's; JAX's default backend without one)."""
-    check_policy(policy, current_plan().platform or jax.default_backend())
+    the traced step compiles for (the installed Parallelism's; JAX's default backend without one)."""
+    check_policy(policy, current_parallelism().platform or jax.default_backend())
     if policy == "none":
         return fn
     return jax.checkpoint(fn, policy=POLICIES[policy], prevent_cse=False)

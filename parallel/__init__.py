@@ -1,7 +1,7 @@
 """Everything that knows about devices: mesh and axis rules, sequence layouts, attention strategies, scattered
 tensor parallelism, expert parallelism, sharding constraints. Models and layers call `parallel.lookup` (the
 embedding), `parallel.attention` (with MLA's `parallel.Latent`), `parallel.sparse_attention` and
-`parallel.indexer_warmup` (with the indexer's `parallel.Index`), `parallel.shard` (logical names),
+`parallel.indexer_warmup` (with the indexer's `parallel.IndexerOutput`), `parallel.shard` (logical names),
 `parallel.residual`, `parallel.gather`, `parallel.project_scatter`, `parallel.routed_experts` and, for Gated
 DeltaNet, `parallel.causal_conv` and `parallel.gated_delta` only.
 """
@@ -13,19 +13,19 @@ import dataclasses
 import jax
 
 from parallel import compat  # noqa: F401  first of the package: refuses a JAX outside the supported range
+from parallel.deepseek_sparse import IndexerOutput, indexer_warmup, sparse_attention
 from parallel.experts import routed_experts
 from parallel.latent import Latent
 from parallel.lookup import lookup
 from parallel.mesh import logical_spec
-from parallel.plan import current_plan
+from parallel.parallelism import current_parallelism
 from parallel.recurrent import causal_conv, gated_delta
 from parallel.reorder import LAYOUTS
-from parallel.sparse import Index, indexer_warmup, sparse_attention
 from parallel.strategies import ROTATES_LATENT, STRATEGIES
 from parallel.tensor import gather, project_scatter, residual
 
 __all__ = [
-    "Index",
+    "IndexerOutput",
     "Latent",
     "attention",
     "causal_conv",
@@ -56,8 +56,8 @@ def attention(
     query's softmax as one more key of value zero, differentiable; None = none.
     `latent` (MLA): a `parallel.Latent` whose expansion gives k and v; the strategies that rotate K/V (ring, usp)
     rotate it instead, the others take k and v.
-    Arguments left None come from the plan installed by `parallel.plan.use_plan` (default: strategy "none",
-    axis "context", contiguous layout); mesh None = the mesh set by `jax.set_mesh`.
+    Arguments left None come from the parallelism installed by `parallel.parallelism.use_parallelism` (default: strategy
+    "none", axis "context", contiguous layout); mesh None = the mesh set by `jax.set_mesh`.
     """
     if sinks is not None and sinks.shape != (q.shape[2],):
         raise ValueError(
@@ -69,21 +69,23 @@ def attention(
             f"{q.shape[2]} heads of values {v.shape[3]} wide, as the queries and v have"
         )
     given = dict(strategy=strategy, axis=axis, layout=layout, stripe=stripe, mesh=mesh)
-    plan = dataclasses.replace(current_plan(), **{key: value for key, value in given.items() if value is not None})
-    if plan.strategy not in STRATEGIES:
-        raise ValueError(f"attention strategy {plan.strategy!r} is unknown; available: {', '.join(STRATEGIES)}")
-    if plan.layout not in LAYOUTS:
-        raise ValueError(f"sequence layout {plan.layout!r} is unknown; available: {', '.join(LAYOUTS)}")
-    mesh = plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
+    parallelism = dataclasses.replace(
+        current_parallelism(), **{key: value for key, value in given.items() if value is not None}
+    )
+    if parallelism.strategy not in STRATEGIES:
+        raise ValueError(f"attention strategy {parallelism.strategy!r} is unknown; available: {', '.join(STRATEGIES)}")
+    if parallelism.layout not in LAYOUTS:
+        raise ValueError(f"sequence layout {parallelism.layout!r} is unknown; available: {', '.join(LAYOUTS)}")
+    mesh = parallelism.mesh if parallelism.mesh is not None else jax.sharding.get_abstract_mesh()
     if causal and isinstance(window, int) and window >= q.shape[1]:  # a window of the whole row cuts nothing
         window = None
-    if (plan.strategy != "none" or plan.layout != "contiguous") and (mesh is None or mesh.empty):
+    if (parallelism.strategy != "none" or parallelism.layout != "contiguous") and (mesh is None or mesh.empty):
         raise ValueError(
-            f"attention strategy {plan.strategy!r} with layout {plan.layout!r} needs a mesh: pass "
+            f"attention strategy {parallelism.strategy!r} with layout {parallelism.layout!r} needs a mesh: pass "
             f"mesh= or call inside jax.set_mesh(mesh)"
         )
-    rotates = {"latent": latent} if latent is not None and plan.strategy in ROTATES_LATENT else {}
-    return STRATEGIES[plan.strategy](
+    rotates = {"latent": latent} if latent is not None and parallelism.strategy in ROTATES_LATENT else {}
+    return STRATEGIES[parallelism.strategy](
         q,
         k,
         v,
@@ -92,7 +94,7 @@ def attention(
         scale=q.shape[-1] ** -0.5 if scale is None else scale,
         window=window,
         sinks=None if sinks is None else sinks.astype(jax.numpy.float32),
-        plan=plan,
+        parallelism=parallelism,
         mesh=mesh,
         **rotates,
     )

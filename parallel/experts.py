@@ -11,8 +11,8 @@ the tokens are split over (data, fsdp, a sequence axis that does not divide) is 
 their matrices are gathered over it, as FSDP gathers any layer. Where the residual stream is replicated (`tensor`
 without scattering), each copy takes its share of the length and the outputs are all-gathered at the end.
 
-Dispatch (plan.expert_dispatch):
-The buffers are sized by factor = plan.expert_capacity (1 = exactly the balanced load).
+Dispatch (parallelism.expert_dispatch):
+The buffers are sized by factor = parallelism.expert_capacity (1 = exactly the balanced load).
 - `capacity` (every backend): per (source device, expert) a buffer of C = ceil(factor x tokens x k / experts)
   rows, one tiled all-to-all there and one back, the local experts as batched einsums. Assignments past C, in
   (token, k) order, are dropped (weight zero) and counted.
@@ -21,7 +21,7 @@ The buffers are sized by factor = plan.expert_capacity (1 = exactly the balanced
   not fit, last experts' last sources first, are dropped and counted. XLA:CPU cannot compile it.
 Without expert-parallel axes (one device, or none divides the experts), every device runs all experts on its own
 tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens
-pass through in chunks of at most plan.expert_chunk tokens (a scan with remat), so the dispatch scratch does not
+pass through in chunks of at most parallelism.expert_chunk tokens (a scan with remat), so the dispatch scratch does not
 grow with the local sequence.
 
 What a load-balancing loss reads comes back per row of the batch: the assignments and the router's probabilities
@@ -40,7 +40,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from parallel.mesh import logical_spec, spec_axes
-from parallel.plan import current_plan
+from parallel.parallelism import current_parallelism
+from parallel.rounding import ceil_div
 from parallel.tensor import token_layout
 
 DISPATCHES = ("capacity", "ragged")
@@ -70,8 +71,9 @@ def receive_rows(tokens: int, k: int, factor: float, sources: int, local_experts
 
 def ragged_as_capacity(factor: float, k: int, num_experts: int, sources: int) -> float:
     """The capacity factor whose capacity dispatch holds as many rows per device as the ragged dispatch's receive
-    buffer at `factor` over `sources` expert-parallel devices (a CPU plan of a ragged run). They agree for a finite
-    factor; dropless, the capacity buffers' worst case (every token to one expert) is larger than the ragged one's."""
+    buffer at `factor` over `sources` expert-parallel devices (a CPU memory plan of a ragged run). They agree for a
+    finite factor; dropless, the capacity buffers' worst case (every token to one expert) is larger than the ragged
+    one's."""
     return sources * min(k, num_experts // sources) / k if math.isinf(factor) else factor
 
 
@@ -93,17 +95,19 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
     runs the experts batched, and ffn(rows [rows, embed], *matrices, group_sizes=[experts]) grouped; matrices:
     [num_experts, ...] arrays. Gradients flow to the probabilities' sums as to y."""
     mesh = jax.sharding.get_abstract_mesh()
-    plan = current_plan()
-    if plan.expert_dispatch not in DISPATCHES:
-        raise ValueError(f"expert dispatch {plan.expert_dispatch!r} is unknown; available: {', '.join(DISPATCHES)}")
+    parallelism = current_parallelism()
+    if parallelism.expert_dispatch not in DISPATCHES:
+        raise ValueError(
+            f"expert dispatch {parallelism.expert_dispatch!r} is unknown; available: {', '.join(DISPATCHES)}"
+        )
     layout = token_layout(mesh, x.shape)
     if layout is None:  # one device, or a shape that does not split (e.g. a sampled prompt): placed by the partitioner
         routed = _routed(route, route_params, lambda t, a: _dropless(t, a, ffn, matrices, num_experts), num_experts)
-        return Routed(*_chunked(x, plan.expert_chunk, routed))
+        return Routed(*_chunked(x, parallelism.expert_chunk, routed))
     spec, token_axes, replicated = layout
     shares = math.prod(mesh.shape[a] for a in replicated)
     axes = expert_axes(mesh, num_experts)
-    dispatch = {"capacity": _capacity, "ragged": _ragged}[plan.expert_dispatch]
+    dispatch = {"capacity": _capacity, "ragged": _ragged}[parallelism.expert_dispatch]
     out_spec = PartitionSpec(spec[0], (*spec_axes(spec[1]), *replicated) or None, *spec[2:])  # the copies, split
 
     def local(x, route_params, matrices):
@@ -114,10 +118,10 @@ def routed_experts(x: jax.Array, route: Route, route_params, ffn: Ffn, matrices,
         def dispatched(t, assignment):
             if not axes:
                 return _dropless(t, assignment, ffn, matrices, num_experts)
-            return dispatch(t, assignment, ffn, matrices, num_experts, plan.expert_capacity, axes)
+            return dispatch(t, assignment, ffn, matrices, num_experts, parallelism.expert_capacity, axes)
 
         y, counts, dropped, probabilities = _chunked(
-            x, plan.expert_chunk, _routed(route, route_params, dispatched, num_experts)
+            x, parallelism.expert_chunk, _routed(route, route_params, dispatched, num_experts)
         )
         row_axes = spec_axes(spec[1]) + replicated  # the axes holding pieces of one row
         counts, probabilities = jax.lax.psum((counts, probabilities), row_axes)
@@ -153,7 +157,7 @@ def _chunked(x, chunk: int, run):
     batch, length, d = x.shape
     n = batch * length
     tokens, row = x.reshape(n, d), jnp.arange(n, dtype=jnp.int32) // length
-    pieces = next(p for p in range(-(-n // chunk) if chunk else 1, n + 1) if n % p == 0)
+    pieces = next(p for p in range(ceil_div(n, chunk) if chunk else 1, n + 1) if n % p == 0)
     if pieces == 1:
         y, *sums = run(tokens, row, batch)
         return y.reshape(x.shape), *sums

@@ -20,9 +20,9 @@ import numpy as np
 from parallel import kernels
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import layout_index
-from parallel.strategies.common import plan_kernel
+from parallel.strategies.common import chosen_kernel
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,9 @@ def _route(tokens, router, k: int):
     return weights, experts.astype(jnp.int32), probabilities
 
 
-def dispatch_error(plan: Plan, mesh, num_experts: int, k: int, dtype) -> str | None:
-    """Runs the MoE dispatch of `plan` and the capacity dispatch (room for every assignment) on `mesh`, forward and
-    backward, on a few tokens per device routed to `num_experts` experts (k each), and compares them inside the
+def dispatch_error(parallelism: Parallelism, mesh, num_experts: int, k: int, dtype) -> str | None:
+    """Runs the MoE dispatch of `parallelism` and the capacity dispatch (room for every assignment) on `mesh`, forward
+    and backward, on a few tokens per device routed to `num_experts` experts (k each), and compares them inside the
     program (every process gets the same replicated errors). None when they agree, else what differed or the error
     raised."""
     spec = logical_spec(("batch", "length", "embed"), mesh)
@@ -161,9 +161,9 @@ def dispatch_error(plan: Plan, mesh, num_experts: int, k: int, dtype) -> str | N
     x = jax.random.normal(jax.random.key(1), shape, dtype)
     router = jax.random.normal(jax.random.key(2), (embed, num_experts), jnp.float32)
     w = jax.random.normal(jax.random.key(3), (num_experts, embed, embed), dtype) / 4
-    reference = dataclasses.replace(plan, expert_dispatch="capacity", expert_capacity=float(num_experts))
+    reference = dataclasses.replace(parallelism, expert_dispatch="capacity", expert_capacity=float(num_experts))
 
-    def grads(x, w, dispatch: Plan):
+    def grads(x, w, dispatch: Parallelism):
         """{y, dx, dw} float32 of `dispatch` (installed while tracing)."""
 
         def loss(x, w):
@@ -171,13 +171,13 @@ def dispatch_error(plan: Plan, mesh, num_experts: int, k: int, dtype) -> str | N
             y = y.astype(jnp.float32)
             return jnp.sum(y * jnp.cos(jnp.arange(y.size).reshape(y.shape))), y
 
-        with use_plan(dispatch):
+        with use_parallelism(dispatch):
             (dx, dw), y = jax.grad(loss, argnums=(0, 1), has_aux=True)(x, w)
         return dict(y=y, dx=dx.astype(jnp.float32), dw=dw.astype(jnp.float32))
 
     def errors(x, w):
         """name -> (relative error, NaNs where the reference has none) as replicated scalars."""
-        got, want = grads(x, w, plan), grads(x, w, reference)
+        got, want = grads(x, w, parallelism), grads(x, w, reference)
         return {
             name: (
                 jnp.max(jnp.abs(got[name] - want[name])) / jnp.maximum(jnp.max(jnp.abs(want[name])), 1e-30),
@@ -205,35 +205,41 @@ def _anywhere(problem: str | None) -> str | None:
     return problem or ("found on another process" if np.any(failed) else None)
 
 
-def checked(plan: Plan, mesh, *, dims: tuple[int, int, int, int], experts: tuple[int, int], dtype) -> Plan:
-    """`plan`, with the blockwise kernel / capacity dispatch in place of a fused kernel / the ragged dispatch that
-    disagrees with it (the kernel on each process's first device of `mesh`, the dispatch on `mesh`; a warning says
+def checked(
+    parallelism: Parallelism, mesh, *, dims: tuple[int, int, int, int], experts: tuple[int, int], dtype
+) -> Parallelism:
+    """`parallelism`, with the blockwise kernel / capacity dispatch in place of a fused kernel / the ragged dispatch
+    that disagrees with it (the kernel on each process's first device of `mesh`, the dispatch on `mesh`; a warning says
     which and why). The model's attention `dims` (heads, kv heads, q-k and v head dims; the check uses at most 2 kv
     heads of 2 query heads each), its `experts` (routed experts, experts per token) and compute `dtype` shape the
-    checks; the kernel runs at the plan's blocks."""
+    checks; the kernel runs at the parallelism's blocks."""
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    if plan.kernel != "blockwise":
+    if parallelism.kernel != "blockwise":
         heads, kv_heads, dqk, dv = dims
         kv = min(kv_heads, 2)
-        blocks = dict(block_q=plan.block_q, block_kv=plan.block_kv)
-        local = kernel_error(plan_kernel(plan), device, (kv * min(heads // kv_heads, 2), kv, dqk, dv), dtype, blocks)
+        blocks = dict(block_q=parallelism.block_q, block_kv=parallelism.block_kv)
+        local = kernel_error(
+            chosen_kernel(parallelism), device, (kv * min(heads // kv_heads, 2), kv, dqk, dv), dtype, blocks
+        )
         problem = _anywhere(local)
         if problem:
             log.warning(
                 "attention kernel %r disagrees with the blockwise kernel on %s (%s): this run uses the blockwise "
-                "kernel", plan.kernel, device.device_kind, problem,
+                "kernel", parallelism.kernel, device.device_kind, problem,
             )  # fmt: skip
-            plan = dataclasses.replace(plan, kernel="blockwise")
+            parallelism = dataclasses.replace(parallelism, kernel="blockwise")
         else:
-            log.info("attention kernel %r checked against the blockwise kernel on %s", plan.kernel, device.device_kind)
-    if experts[0] and plan.expert_dispatch == "ragged" and mesh.size > 1:
-        problem = dispatch_error(plan, mesh, *experts, dtype)
+            log.info(
+                "attention kernel %r checked against the blockwise kernel on %s", parallelism.kernel, device.device_kind
+            )
+    if experts[0] and parallelism.expert_dispatch == "ragged" and mesh.size > 1:
+        problem = dispatch_error(parallelism, mesh, *experts, dtype)
         if problem:
             log.warning(
                 "ragged expert dispatch disagrees with the capacity dispatch on %s (%s): this run uses the capacity "
                 "dispatch", device.device_kind, problem,
             )  # fmt: skip
-            plan = dataclasses.replace(plan, expert_dispatch="capacity")
+            parallelism = dataclasses.replace(parallelism, expert_dispatch="capacity")
         else:
             log.info("ragged expert dispatch checked against the capacity dispatch on %s", device.device_kind)
-    return plan
+    return parallelism

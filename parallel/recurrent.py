@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from parallel.kernels import gated_delta as kernel
 from parallel.mesh import logical_spec
-from parallel.plan import current_plan
+from parallel.parallelism import current_parallelism
 from parallel.strategies.common import axis_names, axis_shards, global_index, layout_shards, mention_unit_axes
 
 NO_SEGMENT = -1  # the segment id of rows before the row's start: no real token has it
@@ -55,14 +55,14 @@ class Pieces:
         return 0 if self.axis is None else _rank(self.axis)
 
 
-def pieces(length: int, plan, mesh) -> Pieces:
-    """The pieces of a row in `plan`'s layout, split over its axis under every strategy but `none` (usp: both axes,
-    laid out over the ring axis)."""
-    split = plan.strategy != "none" and mesh is not None and not mesh.empty
-    names = axis_names(plan.axis)
+def pieces(length: int, parallelism, mesh) -> Pieces:
+    """The pieces of a row in `parallelism`'s layout, split over its axis under every strategy but `none` (usp: both
+    axes, laid out over the ring axis)."""
+    split = parallelism.strategy != "none" and mesh is not None and not mesh.empty
+    names = axis_names(parallelism.axis)
     shards = axis_shards(mesh, names) if split else 1
-    laid = 1 if mesh is None or mesh.empty else layout_shards(mesh, plan.axis)
-    index = global_index(length, plan, laid)
+    laid = 1 if mesh is None or mesh.empty else layout_shards(mesh, parallelism.axis)
+    index = global_index(length, parallelism, laid)
     fine = index.reshape(max(shards, laid), -1)  # a device's rows, or the layout's rank's when finer
     cuts = np.unique(
         np.concatenate([np.flatnonzero(np.diff(r, prepend=-2) != 1) for r in fine])
@@ -71,7 +71,9 @@ def pieces(length: int, plan, mesh) -> Pieces:
     rows = index.reshape(shards, -1)
     sizes = np.diff(np.append(cuts, rows.shape[1]))
     if np.any(sizes != sizes[0]):
-        raise ValueError(f"layout {plan.layout!r} over {shards} devices gives pieces of unequal sizes {sizes.tolist()}")
+        raise ValueError(
+            f"layout {parallelism.layout!r} over {shards} devices gives pieces of unequal sizes {sizes.tolist()}"
+        )
     first = rows[:, cuts]  # [shards, per_device] original index of each piece's first token
     order = np.argsort(np.argsort(first, axis=None)).reshape(first.shape).astype(np.int32)
     return Pieces(names if split else None, shards, len(cuts), int(sizes[0]), order)
@@ -85,8 +87,8 @@ def causal_conv(xs, weights, segment_ids=None, *, mesh=None):
     (tap taps - 1 multiplies the token itself, tap j the token taps - 1 - j before it: Hugging Face's Conv1d weight
     [channels, 1, taps] transposed), segment_ids: [batch, length] (None = one document) -> the convolved arrays, in
     xs' shapes and dtype."""
-    plan, mesh = _plan_mesh(mesh)
-    layout = pieces(xs[0].shape[1], plan, mesh)
+    parallelism, mesh = _parallelism_and_mesh(mesh)
+    layout = pieces(xs[0].shape[1], parallelism, mesh)
     taps = weights[0].shape[0]
 
     def local(*operands):
@@ -115,8 +117,8 @@ def gated_delta(q, k, v, g, beta, segment_ids=None, *, chunk: int = kernel.CHUNK
     q, k: [batch, length, heads, dk] (q scaled, both L2-normalised), v: [batch, length, heads, dv], g (log decay):
     [batch, length, heads], beta: [batch, length, heads], segment_ids: [batch, length] (None = one document) ->
     [batch, length, heads, dv] in v's dtype."""
-    plan, mesh = _plan_mesh(mesh)
-    layout = pieces(q.shape[1], plan, mesh)
+    parallelism, mesh = _parallelism_and_mesh(mesh)
+    layout = pieces(q.shape[1], parallelism, mesh)
 
     def whole_row(q, k, v, g, beta, seg):
         """The row in original order (static moves of the layout's pieces there and back), one run from zero."""
@@ -140,11 +142,18 @@ def gated_delta(q, k, v, g, beta, segment_ids=None, *, chunk: int = kernel.CHUNK
     return _sharded(whole_row if layout.axis is None else local, layout, mesh, (q, k, v, g, beta), segment_ids)
 
 
-def _plan_mesh(mesh):
-    """The installed plan and the mesh it runs on (the argument, else the plan's, else `jax.set_mesh`'s)."""
-    plan = current_plan()
-    mesh = mesh if mesh is not None else plan.mesh if plan.mesh is not None else jax.sharding.get_abstract_mesh()
-    return plan, mesh
+def _parallelism_and_mesh(mesh):
+    """The installed parallelism and the mesh it runs on (the argument, else the parallelism's, else
+    `jax.set_mesh`'s)."""
+    parallelism = current_parallelism()
+    mesh = (
+        mesh
+        if mesh is not None
+        else parallelism.mesh
+        if parallelism.mesh is not None
+        else jax.sharding.get_abstract_mesh()
+    )
+    return parallelism, mesh
 
 
 def _split(x, layout: Pieces):

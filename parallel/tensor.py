@@ -9,7 +9,7 @@ all-gather of the output gradient) come out of autodiff.
 Inside, the gathered tokens carry a leading `group` axis, one entry per tensor shard, sharded over `tensor`
 (each device its own copy), and the sharded dimension of a kernel is split into (group, rest): the projections
 then never sum over devices in the partitioned program, and the sums happen only in the explicit collectives.
-Without a mesh, with tensor = 1 or with the plan's `scatter` off, these are plain einsums and GSPMD places the
+Without a mesh, with tensor = 1 or with the parallelism's `scatter` off, these are plain einsums and GSPMD places the
 collectives (all-reduce tensor parallelism).
 """
 
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from parallel.mesh import logical_spec, spec_axes
-from parallel.plan import current_plan
+from parallel.parallelism import current_parallelism
 
 AXIS = "tensor"
 
@@ -36,7 +36,7 @@ def tensor_shards() -> int:
 
 def scatter_shards() -> int:
     """Number of tensor-parallel ranks the residual stream is scattered over (1 = not scattered)."""
-    return tensor_shards() if current_plan().scatter else 1
+    return tensor_shards() if current_parallelism().scatter else 1
 
 
 def token_specs(ndim: int) -> tuple[PartitionSpec, PartitionSpec]:

@@ -1,7 +1,8 @@
 """Training: the commands (`python -m train`, `python -m train.evaluate`, `python -m train.hf`), the loop (loop,
-trainer, step, optimizer, state, metrics, sample, needle), errors, and the rooms, each a package with one concern:
-config/ (a run's YAML), data/ (documents to batches), checkpoints/ (checkpoints and run directories), planning/ (the
-plan, memory and speed of a run before it runs) and process/ (the processes of a run and how they end)."""
+trainer, divergence, step, optimizer, state, metrics, sample, needle), errors, and the rooms, each a package with one
+concern: config/ (a run's YAML), data/ (documents to batches), checkpoints/ (checkpoints and run directories),
+planning/ (the parallelism, memory and speed of a run before it runs) and process/ (the processes of a run and how they
+end)."""
 
 import os
 import signal

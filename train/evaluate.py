@@ -35,7 +35,7 @@ from train.data.tokenizer import make_tokenizer
 from train.errors import CheckpointError, DataError, leave
 from train.hf import MODEL_YAML, TOKENIZER
 from train.needle import filler_tokens, model_predictor
-from train.planning.run_plan import run_plan
+from train.planning.run_parallelism import run_parallelism
 from train.process import environment, library_log
 from train.state import abstract_model
 
@@ -128,10 +128,10 @@ def evaluate(
     check_grid(filler, tokenizer, **grid)  # a length too short for a task is named before anything compiles
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
-    plan = run_plan(config, mesh)
+    parallelism = run_parallelism(config, mesh)
     graphdef, abstract = abstract_model(config.model, mesh, compute=config.compute)
     state = restore_model_params(target.checkpoint, abstract)
-    predict = functools.partial(model_predictor(graphdef, mesh, plan), state)
+    predict = functools.partial(model_predictor(graphdef, mesh, parallelism), state)
     records = needle_grid(predict, filler, tokenizer, **grid)
     if jax.process_index() == 0:
         out = out or target.out

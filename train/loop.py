@@ -26,7 +26,7 @@ from train.data.sources import open_source
 from train.data.tokenizer import make_tokenizer
 from train.needle import needle_evaluation
 from train.optimizer import make_optimizer
-from train.planning.run_plan import run_plan
+from train.planning.run_parallelism import run_parallelism
 from train.process import library_log
 from train.state import TrainState, abstract_state, create_state
 from train.trainer import Evaluation, Trainer
@@ -104,8 +104,8 @@ def run(config: Config) -> dict:
     }
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
-    plan = run_plan(config, mesh)
-    needle_scores = needle_evaluation(config, mesh, plan, tokenizer, source) if t.needle_lengths else None
+    parallelism = run_parallelism(config, mesh)
+    needle_scores = needle_evaluation(config, mesh, parallelism, tokenizer, source) if t.needle_lengths else None
     check_run_directory(output, config)
     tx = make_optimizer(config.optimizer, t.steps)
     abstract = abstract_state(config.model, tx, mesh, compute=config.compute)  # (graphdef, state, shardings)
@@ -145,7 +145,7 @@ def run(config: Config) -> dict:
                 config,
                 train_state,
                 mesh,
-                plan,
+                parallelism,
                 train_iter,
                 evaluation,
                 checkpoints,

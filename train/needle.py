@@ -16,9 +16,10 @@ from flax import nnx
 from layers.loss import logits
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding, batch_shards, length_shards
-from parallel.plan import Plan, use_plan
-from parallel.planning import to_layout
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import layout_index
+from parallel.rounding import round_up
+from parallel.settings import to_layout
 from train.config import ConfigError
 from train.data.haystack import TASKS, check_grid, needle_grid
 from train.data.pipeline import splits
@@ -45,16 +46,18 @@ def filler_tokens(config, tokenizer, count: int, source=None) -> np.ndarray:
     return np.concatenate([np.asarray(t, np.int32) for t in tokens])
 
 
-def model_predictor(graphdef, mesh, plan: Plan) -> Callable[[nnx.State, np.ndarray, np.ndarray], np.ndarray]:
+def model_predictor(
+    graphdef, mesh, parallelism: Parallelism
+) -> Callable[[nnx.State, np.ndarray, np.ndarray], np.ndarray]:
     """`predict(state, tokens, at)`, which with a model state bound (functools.partial) is the `predict` of
     train/data/haystack.py's `score`: the model of `graphdef` (the model alone) on its sharded `state`, one forward pass
-    per call over `mesh`, the rows in `plan`'s sequence layout (context parallelism included), the head applied
+    per call over `mesh`, the rows in `parallelism`'s sequence layout (context parallelism included), the head applied
     only at the positions `at`. Compiled once per shape, whatever the state."""
     context = mesh.shape["context"]
 
     @jax.jit
     def argmax_at(state, batch, at):
-        with use_plan(plan):
+        with use_parallelism(parallelism):
             model = nnx.merge(graphdef, state)
             hidden, _ = model.hidden(batch["tokens"], batch["positions"], batch["segment_ids"])
             picked = jnp.take_along_axis(hidden, at[..., None], axis=1)  # [rows, n, embed]
@@ -64,16 +67,16 @@ def model_predictor(graphdef, mesh, plan: Plan) -> Callable[[nnx.State, np.ndarr
         rows, length = tokens.shape
         if length % length_shards(mesh):
             raise ValueError(f"needle length {length} must be a multiple of {length_shards(mesh)} on this mesh")
-        padded = -(-rows // batch_shards(mesh)) * batch_shards(mesh)  # every batch shard gets a row
+        padded = round_up(rows, batch_shards(mesh))  # every batch shard gets a row
         tokens = np.resize(tokens, (padded, length))
         batch = {
             "tokens": tokens,
             "positions": np.broadcast_to(np.arange(length, dtype=np.int32), tokens.shape),
             "segment_ids": np.ones_like(tokens),
         }
-        batch = jax.device_put(to_layout(batch, plan, context), batch_sharding(mesh))
-        if plan.layout != "contiguous":  # where each original position sits in the layout
-            at = np.argsort(layout_index(length, context, plan.layout, plan.stripe))[at]
+        batch = jax.device_put(to_layout(batch, parallelism, context), batch_sharding(mesh))
+        if parallelism.layout != "contiguous":  # where each original position sits in the layout
+            at = np.argsort(layout_index(length, context, parallelism.layout, parallelism.stripe))[at]
         with jax.set_mesh(mesh):
             predicted = argmax_at(state, batch, jnp.asarray(np.resize(at, (padded, at.shape[1]))))
         return np.asarray(predicted)[:rows]
@@ -81,7 +84,7 @@ def model_predictor(graphdef, mesh, plan: Plan) -> Callable[[nnx.State, np.ndarr
     return predict
 
 
-def needle_evaluation(config, mesh, plan, tokenizer, source) -> Callable[[nnx.State], dict[str, float]]:
+def needle_evaluation(config, mesh, parallelism, tokenizer, source) -> Callable[[nnx.State], dict[str, float]]:
     """The training run's needle check: model state -> {needle/<task>: mean accuracy over train.needle_lengths x
     train.needle_depths}, on haystacks of held-out text from the run's opened `source` (the same every time),
     compiled once. ConfigError, before anything trains, when a task is unknown or a length too short for one."""
@@ -99,7 +102,7 @@ def needle_evaluation(config, mesh, plan, tokenizer, source) -> Callable[[nnx.St
             f"train.needle_lengths={list(t.needle_lengths)}: {error}; give longer lengths, or choose the tasks with "
             f"train.needle_tasks (of {', '.join(TASKS)})"
         ) from None
-    predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, plan)
+    predictor = model_predictor(abstract_model(config.model, mesh, compute=config.compute)[0], mesh, parallelism)
 
     def scores(model_state) -> dict[str, float]:
         records = needle_grid(functools.partial(predictor, model_state), filler, tokenizer, **grid)

@@ -5,11 +5,9 @@ from __future__ import annotations
 import jax
 import optax
 
-from models.dtypes import DTYPES, PARAM_DTYPES
+from models.dtypes import DTYPES
 
 NO_DECAY = ("scale", "bias", "sinks")  # norm scales, biases (also any name ending in _bias) and attention sinks
-# what AdamW's first moment is stored in; param: the parameters' dtype (the second moment's, always)
-MU_DTYPES = ("param", *PARAM_DTYPES)
 
 
 def learning_rate_schedule(config, total_steps: int) -> optax.Schedule:

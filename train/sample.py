@@ -15,9 +15,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from parallel.mesh import batch_shards, length_shards
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
+from parallel.rounding import round_up
 
-DROPLESS = Plan(expert_dispatch="capacity", expert_capacity=math.inf)  # contiguous, no context strategy
+DROPLESS = Parallelism(expert_dispatch="capacity", expert_capacity=math.inf)  # contiguous, no context strategy
 
 
 def generate(
@@ -26,7 +27,7 @@ def generate(
     """Continues `prompt` by up to `max_new_tokens` tokens (stops at EOS); returns the new text."""
     ids = ([tokenizer.bos_id] if tokenizer.bos_id is not None else []) + tokenizer.encode(prompt)
     needed = len(ids) + max_new_tokens
-    length = -(-needed // length_shards(mesh)) * length_shards(mesh)  # padded: the sequence may be split
+    length = round_up(needed, length_shards(mesh))  # padded: the sequence may be split
     rows = batch_shards(mesh)  # one row per batch shard: the batch axis must split over the mesh
     graphdef = train_state.graphdef
 
@@ -44,7 +45,7 @@ def generate(
     replicated = NamedSharding(mesh, PartitionSpec())
     key = jax.random.key(seed)
     new = []
-    with jax.set_mesh(mesh), use_plan(DROPLESS):
+    with jax.set_mesh(mesh), use_parallelism(DROPLESS):
         for index in range(len(ids) - 1, needed - 1):
             key, sub = jax.random.split(key)
             token = int(next_token(train_state.state, jax.device_put(tokens, replicated), index, sub))

@@ -1,7 +1,7 @@
 """The jitted training and evaluation steps: segment-masked chunked loss, gradient accumulation, update.
 
-Each step traces its body under `parallel.plan.use_plan(plan)`, so `parallel.attention` in the model runs the
-configured context strategy on batches already in the plan's sequence layout."""
+Each step traces its body under `use_parallelism(parallelism)` (parallel/parallelism.py), so `parallel.attention` in the
+model runs the configured context strategy on batches already in the parallelism's sequence layout."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from models import frozen
 from models.config import ModelConfig
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.token_sums import token_sums
 from train.data.batch import BATCH_FIELDS
 from train.optimizer import parameter_names
@@ -87,27 +87,27 @@ def accumulated_grads(model, batch, chunk_size: int, accum_steps: int, frozen):
     )
 
 
-def configured_train_step(train_state, mesh, config, plan: Plan):
-    """The train step a run of `config` compiles: the trainer's (train/trainer.py), and what its plan compiles
+def configured_train_step(train_state, mesh, config, parallelism: Parallelism):
+    """The train step a run of `config` compiles: the trainer's (train/trainer.py), and what the memory plan compiles
     (train/planning/memory.py)."""
     return make_train_step(
         train_state,
         mesh,
         chunk_size=config.compute.loss_chunk_size,
         accum_steps=config.train.grad_accum_steps,
-        plan=plan,
+        parallelism=parallelism,
     )
 
 
-def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, plan: Plan = Plan()):
+def make_train_step(train_state, mesh, *, chunk_size: int, accum_steps: int, parallelism: Parallelism = Parallelism()):
     """jit(state, batch) -> (state, metrics) with explicit in/out shardings; the state buffer is donated.
-    Batch arrays [batch, length] are in `plan.layout` order. The variables the model keeps frozen (models.frozen)
+    Batch arrays [batch, length] are in `parallelism.layout` order. The variables the model keeps frozen (models.frozen)
     come out as they went in; the optimizer's state keeps their moments, so its shape does not depend on what is
     frozen."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
-        with use_plan(plan):  # inside: jit traces on the first call
+        with use_parallelism(parallelism):  # inside: jit traces on the first call
             model, optimizer = nnx.merge(graphdef, state)
             before = jax.tree.map(lambda x: x, nnx.state(model))  # the values, not the variables
             frozen = frozen_mask(model.config)(before)
@@ -145,13 +145,13 @@ def position_weights(batch, buckets) -> jax.Array:
     return jnp.stack([mask, *(mask * bucket for bucket in inside)], axis=-1).astype(jnp.float32)
 
 
-def make_eval_step(train_state, mesh, *, chunk_size: int, plan: Plan = Plan(), buckets=()):
+def make_eval_step(train_state, mesh, *, chunk_size: int, parallelism: Parallelism = Parallelism(), buckets=()):
     """jit(state, batch) -> (loss sums, token counts), each [1 + len(buckets)] float32, on held-out data in
-    `plan.layout` order: all loss tokens, then those at document positions in each (start, end) of `buckets`."""
+    `parallelism.layout` order: all loss tokens, then those at document positions in each (start, end) of `buckets`."""
     graphdef = train_state.graphdef
 
     def step(state, batch):
-        with use_plan(plan):
+        with use_parallelism(parallelism):
             model, _ = nnx.merge(graphdef, state)
             return loss_sums(model, batch, chunk_size, position_weights(batch, buckets))[:2]
 

@@ -22,13 +22,14 @@ from flax import nnx
 
 from models.dtypes import compute_dtype
 from parallel.mesh import batch_sharding, process_rows
-from parallel.planning import to_layout
+from parallel.settings import to_layout
+from train import divergence
 from train.config import Config, to_dict
 from train.errors import CheckpointError, NonFiniteLoss
 from train.metrics import MetricsLogger
 from train.optimizer import learning_rate_schedule
 from train.planning.flops import Peak, batch_flops, peak_flops_per_device
-from train.process import divergence, library_log, peers, stall
+from train.process import library_log, peers, stall
 from train.process.stop import Stop
 from train.sample import generate
 from train.state import TrainState
@@ -104,16 +105,16 @@ class Window:
 
 
 class Trainer:
-    """Trains `train_state` from step `start` + 1 to train.steps on `train_iter`'s batches over `mesh` in `plan`'s
-    layout; `checkpoints` (a Checkpointer, or None) saves, with `data_record` (what the data position depends on);
-    `main_process` writes the metrics."""
+    """Trains `train_state` from step `start` + 1 to train.steps on `train_iter`'s batches over `mesh` in
+    `parallelism`'s layout; `checkpoints` (a Checkpointer, or None) saves, with `data_record` (what the data position
+    depends on); `main_process` writes the metrics."""
 
     def __init__(
         self,
         config: Config,
         train_state: TrainState,
         mesh,
-        plan,
+        parallelism,
         train_iter,
         evaluation: Evaluation,
         checkpoints,
@@ -123,14 +124,22 @@ class Trainer:
         data_record: dict | None = None,
     ):
         t = config.train
-        self.config, self.mesh, self.plan, self.train_iter, self.evaluation = config, mesh, plan, train_iter, evaluation
+        self.config, self.mesh, self.parallelism, self.train_iter, self.evaluation = (
+            config,
+            mesh,
+            parallelism,
+            train_iter,
+            evaluation,
+        )
         self.checkpoints, self.start, self.tokenizer, self.main_process = checkpoints, start, tokenizer, main_process
         self.train_state, self.state = train_state, train_state.state
         self.cadence = Cadence.of(config)
         chunk, self.output = config.compute.loss_chunk_size, pathlib.Path(t.output_dir)
-        self.train_step = configured_train_step(train_state, mesh, config, plan)
+        self.train_step = configured_train_step(train_state, mesh, config, parallelism)
         self.buckets = position_buckets(t.eval_position_buckets, config.data.seq_len)
-        self.eval_step = make_eval_step(train_state, mesh, chunk_size=chunk, plan=plan, buckets=self.buckets)
+        self.eval_step = make_eval_step(
+            train_state, mesh, chunk_size=chunk, parallelism=parallelism, buckets=self.buckets
+        )
         self.sharding, self.rows = batch_sharding(mesh), process_rows(mesh, t.batch_size)
         self.schedule = learning_rate_schedule(config.optimizer, t.steps)
         self.tokens_per_step = t.batch_size * config.data.seq_len
@@ -199,8 +208,8 @@ class Trainer:
         return None
 
     def _device_batch(self, batch: dict) -> dict:
-        """Host batch -> global arrays in the plan's sequence layout (reordered here, once per batch)."""
-        return global_batch(to_layout(batch, self.plan, self.mesh.shape["context"]), self.sharding, self.rows)
+        """Host batch -> global arrays in the parallelism's sequence layout (reordered here, once per batch)."""
+        return global_batch(to_layout(batch, self.parallelism, self.mesh.shape["context"]), self.sharding, self.rows)
 
     def _record(self, step: int, metrics: dict, flops: float) -> None:
         """Checks the step's loss and gradient norm are finite (a non-finite gradient has poisoned the update, which

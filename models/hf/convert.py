@@ -76,13 +76,13 @@ def _by_table_name(family, files: dict[str, str], path: pathlib.Path) -> dict[st
     return {nesting.table_name(name): (name, file) for name, file in files.items() if not nesting.skips(name)}
 
 
-def _plan(
+def _reads_by_file(
     family, config, hf_config: dict, files: dict[str, tuple[str, str]], shapes: dict, path: pathlib.Path
 ) -> dict[str, list]:
     """File name -> [(tensor name in the checkpoint, Tensor, index into our parameter)] for every tensor the model
     needs; checks that each is in `files` (_by_table_name's) and that every parameter in `shapes` is filled by some
     tensor or is one of the family's zeros."""
-    plan: dict[str, list] = {}
+    reads: dict[str, list] = {}
     missing = []
     for tensor in family.tensors_to_read(config, hf_config):
         for fields, index in tensor.slices(config):
@@ -90,32 +90,32 @@ def _plan(
             if name not in files:
                 missing.append(name)
             stored, file = files.get(name, (name, None))
-            plan.setdefault(file, []).append((stored, tensor, index))
+            reads.setdefault(file, []).append((stored, tensor, index))
     if missing:
         raise ValueError(
             f"{path}: {len(missing)} tensors of {family.architecture} are missing, e.g. {', '.join(missing[:3])}"
         )
-    filled = {path for entries in plan.values() for _, tensor, _ in entries for path in tensor.paths}
+    filled = {path for entries in reads.values() for _, tensor, _ in entries for path in tensor.paths}
     unfilled = set(shapes) - filled - set(family.zeros(config))
     if unfilled:
         raise ValueError(
             f"{family.architecture}: no tensor fills parameter(s) "
             f"{', '.join('.'.join(ours) for ours in sorted(unfilled))}"
         )
-    return plan
+    return reads
 
 
-def _read(stored: StoredTensors, plan: dict[str, list], shapes: dict, config) -> dict[tuple, jax.Array]:
-    """Reads the planned tensors one at a time into host buffers of our parameters' shapes; each parameter goes to
+def _read(stored: StoredTensors, reads: dict[str, list], shapes: dict, config) -> dict[tuple, jax.Array]:
+    """Reads the tensors `reads` lists one at a time into host buffers of our parameters' shapes; each parameter goes to
     JAX (and its buffer is dropped) once its last tensor is in. Returns {parameter path: array}."""
     remaining = dict.fromkeys(shapes, 0)
-    for entries in plan.values():
+    for entries in reads.values():
         for _, tensor, _ in entries:
             for path in tensor.paths:
                 remaining[path] += 1
     buffers: dict[tuple, np.ndarray] = {}
     params: dict[tuple, jax.Array] = {}
-    for file, entries in plan.items():
+    for file, entries in reads.items():
         for name, tensor, index in entries:
             for path, value in zip(tensor.paths, tensor.parts(stored.get(name), config), strict=True):
                 target = shapes[path]
@@ -178,11 +178,11 @@ def load_pretrained(path: str | pathlib.Path, dtype=jnp.float32, *, allow_unused
     graphdef, state = abstract_model(config)
     shapes = flatten_dict(nnx.to_pure_dict(state))
     stored = StoredTensors(path)
-    plan = _plan(family, config, hf_config, _by_table_name(family, stored.files, path), shapes, path)
-    used = {name for entries in plan.values() for name, _, _ in entries}
+    reads = _reads_by_file(family, config, hf_config, _by_table_name(family, stored.files, path), shapes, path)
+    used = {name for entries in reads.values() for name, _, _ in entries}
     unused = {name for name in stored.files if name not in used and not family.nesting.skips(name)}
     unused_tensors(path, unused, config, hf_config, allow_unused, family.nesting)
-    params = _read(stored, plan, shapes, config)
+    params = _read(stored, reads, shapes, config)
     params.update({ours: jnp.zeros(shapes[ours].shape, shapes[ours].dtype) for ours in family.zeros(config)})
     nnx.replace_by_pure_dict(state, unflatten_dict(params))
     return nnx.merge(graphdef, state)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel.kernels.arguments import Options, Tokens
+from parallel.kernels.softmax import backward_delta, finish_lse, safe_shift
+from parallel.rounding import ceil_div, round_up
 from parallel.segments import INT32_MAX, block_summary, full_blocks, visible_blocks, visible_pairs
 
 
@@ -47,9 +49,9 @@ def padded_blocks(length: int, block: int) -> tuple[int, int]:
     """(block size, number of blocks) for a sequence of `length` with at most `block` tokens per block: as few
     blocks as `block` allows, of equal size rounded up to a multiple of 8, so padding stays under 8 blocks x 8
     tokens (a 768-token piece with block 512 is two blocks of 384, not 1024 tokens of which 256 are padding)."""
-    count = -(-length // block)
-    size = min(length, -(-length // count // 8) * 8)  # ceil(ceil(length / count) / 8) * 8
-    return size, -(-length // size)
+    count = ceil_div(length, block)
+    size = min(length, round_up(ceil_div(length, count), 8))
+    return size, ceil_div(length, size)
 
 
 def even_chunk(length: int, at_most: int) -> int:
@@ -162,7 +164,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
                 mask = _pair_mask(q_side, side_block(kv_tokens, b, j, bk), group, options)
                 s = jnp.where(mask, s, -jnp.inf)
             new_max = jnp.maximum(row_max, s.max(-1))
-            safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+            safe_max = safe_shift(new_max)
             p = jnp.exp(s - safe_max[..., None])
             correction = jnp.exp(row_max - safe_max)
             pv = jnp.einsum("hqk,hkd->hqd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
@@ -180,7 +182,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
         row_max, row_sum, acc = lax.fori_loop(first[b, i], last[b, i], step, init)
         seen = row_sum > 0
         out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
-        lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+        lse = finish_lse(row_max, row_sum)
         return _token_rows(out.astype(out_dtype or q.dtype), bq), _token_rows(lse[..., None], bq)[..., 0]
 
     out, lse = lax.map(q_block, jnp.arange(batch * nq))
@@ -205,9 +207,7 @@ def backward(
     # d score_ij = p_ij (dp_ij - delta_i) with delta_i = sum_j p_ij dp_ij = dout_i . out_i. When lse is an output
     # too (a ring step's partial lse feeds the merge), d lse_i / d score_ij = p_ij adds p_ij dlse_i to d score_ij:
     # the same form with delta_i - dlse_i, so both gradients flow through one pass.
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # [batch, tq, heads]
-    if dlse is not None:
-        delta = delta - dlse
+    delta = backward_delta(out, dout, dlse)  # [batch, tq, heads]
     scale = options.scale
     bq, _ = padded_blocks(tq, options.block_q)
     bk, nk = padded_blocks(tk, options.block_kv)
@@ -229,7 +229,7 @@ def backward(
             q_blk, do_blk = _query_block(q, b, i, bq, kv_heads), _query_block(dout, b, i, bq, kv_heads)
             lse_blk, delta_blk = _query_block(lse, b, i, bq, kv_heads), _query_block(delta, b, i, bq, kv_heads)
             s = _scores(q_blk, k_blk, scale)
-            p = jnp.exp(s - jnp.where(jnp.isfinite(lse_blk), lse_blk, 0.0))
+            p = jnp.exp(s - safe_shift(lse_blk))
             if masked:
                 p = jnp.where(_pair_mask(side_block(q_tokens, b, i, bq), kv_side, group, options), p, 0.0)
             dp = jnp.einsum("hqd,hkd->hqk", do_blk, v_blk, preferred_element_type=jnp.float32)

@@ -22,6 +22,7 @@ from parallel.kernels.blockwise import (
     side_block,
     take_block,
 )
+from parallel.kernels.softmax import finish_lse, safe_shift
 from parallel.kernels.top_k import Selection, index_scores
 
 
@@ -33,14 +34,14 @@ def selection_kl(q, weights, k, selection: Selection, target, *, block_q: int = 
     batch, tq = q.shape[:2]
     bq, nq = padded_blocks(tq, block_q)
     q, weights = pad(q, 1, bq), pad(weights, 1, bq)
-    indices, valid = pad(selection.indices, 1, bq), pad(selection.valid, 1, bq)
+    selected, valid = pad(selection.selected, 1, bq), pad(selection.valid, 1, bq)
     target = pad(lax.stop_gradient(target).astype(jnp.float32), 1, bq)
 
     @jax.checkpoint  # the backward regathers a block's keys rather than keep every block's [bq, count, d]
     def q_block(flat):
         b, i = flat // nq, flat % nq
         rows = lambda x: take_block(x, b, i, bq)
-        scores = index_scores(rows(q)[:, None], rows(weights)[:, None], k[b][rows(indices)])[:, 0]
+        scores = index_scores(rows(q)[:, None], rows(weights)[:, None], k[b][rows(selected)])[:, 0]
         return _kl(rows(target), scores, rows(valid))
 
     return lax.map(q_block, jnp.arange(batch * nq)).reshape(batch, nq * bq)[:, :tq]
@@ -60,29 +61,34 @@ def _x_log_x(p):
 
 
 def dense_kl(
-    q, k, index_q, weights, index_k, q_tokens: Tokens, kv_tokens: Tokens, *, scale: float, options: Options
+    q, k, indexer_q, weights, indexer_k, q_tokens: Tokens, kv_tokens: Tokens, *, scale: float, options: Options
 ):  # fmt: skip
-    """The attention's q [batch, tq, heads, dqk] and k [batch, tk, kv_heads, dqk], the indexer's index_q [batch, tq,
-    index_heads, d], weights [batch, tq, index_heads] and index_k [batch, tk, d], both sides' tokens -> KL(p || softmax
-    of the index scores) over every visible key, per query [batch, tq] float32 (0 without keys), where p is the
-    attention's probabilities summed over heads / heads. Two passes over key blocks per query block: the log-sum-exps
-    of the attention (each head) and of the index scores, then sum p log p and sum p x index score."""
+    """The attention's q [batch, tq, heads, dqk] and k [batch, tk, kv_heads, dqk], the indexer's queries indexer_q
+    [batch, tq, index_heads, d], weights [batch, tq, index_heads] and keys indexer_k [batch, tk, d], both sides' tokens
+    -> KL(p || softmax of the index scores) over every visible key, per query [batch, tq] float32 (0 without keys),
+    where p is the attention's probabilities summed over heads / heads. Two passes over key blocks per query block: the
+    log-sum-exps of the attention (each head) and of the index scores, then sum p log p and sum p x index score."""
     q, k = lax.stop_gradient(q), lax.stop_gradient(k)
     batch, tq, heads, dqk = q.shape
     kv_heads, tk = k.shape[2], k.shape[1]
     group = heads // kv_heads
     bq, nq = padded_blocks(tq, options.block_q)
     bk, nk = padded_blocks(tk, options.block_kv)
-    q, index_q, weights, q_tokens = pad(q, 1, bq), pad(index_q, 1, bq), pad(weights, 1, bq), pad_queries(q_tokens, bq)
-    k, index_k, kv_tokens = pad(k, 1, bk), pad(index_k, 1, bk), pad_keys(kv_tokens, bk)
+    q, indexer_q, weights, q_tokens = (
+        pad(q, 1, bq),
+        pad(indexer_q, 1, bq),
+        pad(weights, 1, bq),
+        pad_queries(q_tokens, bq),
+    )
+    k, indexer_k, kv_tokens = pad(k, 1, bk), pad(indexer_k, 1, bk), pad_keys(kv_tokens, bk)
     visible_blocks = pair_kinds(q_tokens, kv_tokens, bq, bk, options) > SKIP
 
     @jax.checkpoint
     def q_block(flat):
         b, i = flat // nq, flat % nq
         q_blk = take_block(q, b, i, bq).reshape(bq, kv_heads, group, dqk)
-        iq_blk, w_blk, q_side = (
-            take_block(index_q, b, i, bq),
+        indexer_q_blk, w_blk, q_side = (
+            take_block(indexer_q, b, i, bq),
             take_block(weights, b, i, bq),
             side_block(q_tokens, b, i, bq),
         )
@@ -92,33 +98,33 @@ def dense_kl(
             visible."""
             mask = pair_mask(q_side, side_block(kv_tokens, b, j, bk), causal=options.causal, window=options.window)
             s = jnp.einsum("qhgd,khd->qhgk", q_blk, take_block(k, b, j, bk), preferred_element_type=jnp.float32)
-            index = index_scores(iq_blk, w_blk, take_block(index_k, b, j, bk))
-            return jnp.where(mask[:, None, None], s * scale, -jnp.inf), jnp.where(mask, index, -jnp.inf)
+            indexer_s = index_scores(indexer_q_blk, w_blk, take_block(indexer_k, b, j, bk))
+            return jnp.where(mask[:, None, None], s * scale, -jnp.inf), jnp.where(mask, indexer_s, -jnp.inf)
 
         def lse_step(carry, j):
             def add(carry):
-                (top, total), (index_top, index_total) = carry
-                s, index = scores(j)
-                return _online(top, total, s), _online(index_top, index_total, index)
+                (top, total), (indexer_top, indexer_total) = carry
+                s, indexer_s = scores(j)
+                return _online(top, total, s), _online(indexer_top, indexer_total, indexer_s)
 
             return lax.cond(visible_blocks[b, i, j], add, lambda c: c, carry), None
 
         def kl_step(sums, j):
             def add(sums):
-                s, index = scores(j)
+                s, indexer_s = scores(j)
                 p = jnp.exp(s - attention_lse[..., None]).sum((1, 2)) / heads  # [bq, bk]
-                return sums[0] + _x_log_x(p).sum(-1), sums[1] + jnp.where(p > 0, p * index, 0.0).sum(-1)
+                return sums[0] + _x_log_x(p).sum(-1), sums[1] + jnp.where(p > 0, p * indexer_s, 0.0).sum(-1)
 
             return lax.cond(visible_blocks[b, i, j], add, lambda s: s, sums), None
 
         start = lambda shape: (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32))
         steps = jnp.arange(nk)
-        attention, index = lax.scan(jax.checkpoint(lse_step), (start((bq, kv_heads, group)), start((bq,))), steps)[0]
-        attention_lse = lax.stop_gradient(_finish(*attention))
+        attention, indexer = lax.scan(jax.checkpoint(lse_step), (start((bq, kv_heads, group)), start((bq,))), steps)[0]
+        attention_lse = lax.stop_gradient(finish_lse(*attention))
         zero = jnp.zeros((bq,), jnp.float32)
         (entropy, cross), _ = lax.scan(jax.checkpoint(kl_step), (zero, zero), steps)
-        index_lse = _finish(*index)
-        return jnp.where(jnp.isfinite(index_lse), entropy - cross + index_lse, 0.0)
+        indexer_lse = finish_lse(*indexer)
+        return jnp.where(jnp.isfinite(indexer_lse), entropy - cross + indexer_lse, 0.0)
 
     return lax.map(q_block, jnp.arange(batch * nq)).reshape(batch, nq * bq)[:, :tq]
 
@@ -127,12 +133,7 @@ def _online(top, total, s):
     """A running log-sum-exp (top: the maximum so far, held without gradient; total: sum exp(s - top)) updated with
     the scores s [..., bk]."""
     new_top = lax.stop_gradient(jnp.maximum(top, jnp.max(s, -1)))
-    safe = jnp.where(jnp.isfinite(new_top), new_top, 0.0)
+    safe = safe_shift(new_top)
     return new_top, total * jnp.exp(jnp.where(jnp.isfinite(top), top - safe, -jnp.inf)) + jnp.exp(
         s - safe[..., None]
     ).sum(-1)
-
-
-def _finish(top, total):
-    """The log-sum-exp of a running (top, total): -inf where no score was finite."""
-    return jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)

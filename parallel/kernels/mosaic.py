@@ -34,6 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from parallel import segments
 from parallel.kernels.arguments import Options, Tokens
 from parallel.kernels.blockwise import block_ranges, pad, pad_keys, pad_queries
+from parallel.kernels.softmax import backward_delta
+from parallel.rounding import round_up
 
 BLOCK = 64  # rows of one warpgroup's matrix multiply: the query and key block of every kernel
 SHARED_MEMORY = 224 << 10  # of the 227 KiB an H100 block may use: the rest for the token vectors
@@ -51,13 +53,9 @@ def serves(q, k, v, out_itemsize: int) -> bool:
     dtypes = {x.dtype for x in (q, k, v)}
     if dtypes - {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)} or len(dtypes) != 1:
         return False
-    dqk, dv = _round(q.shape[-1], 64), _round(v.shape[-1], 64)
+    dqk, dv = round_up(q.shape[-1], 64), round_up(v.shape[-1], 64)
     itemsize = q.dtype.itemsize
     return max(dqk, dv) <= 256 and BLOCK * (dqk + dv) * (itemsize + max(2 * itemsize, out_itemsize)) <= SHARED_MEMORY
-
-
-def _round(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
 
 
 def _smem(shape, dtype):
@@ -393,9 +391,7 @@ def backward(
     lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k, v)."""
     (batch, tq, heads, dqk), (_, tk, kv_heads, dv) = q.shape, v.shape
     # d score = p (dp - delta), delta = dout . out - dlse (see parallel.kernels.blockwise.backward)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    if dlse is not None:
-        delta = delta - dlse
+    delta = backward_delta(out, dout, dlse)
     dq_dtype, dk_dtype, dv_dtype = (grad_dtype or x.dtype for x in (q, k, v))
     x = _operands(q, k, v, q_tokens, kv_tokens)
     (_, tq_pad, _, dqk_pad), (_, tk_pad, _, dv_pad), dtype = x.q.shape, x.v.shape, q.dtype

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 
 from parallel.kernels.arguments import Options, Tokens
+from parallel.rounding import round_up
 from parallel.segments import INT32_MAX, seqlens_offsets
 
 DIAGONAL, ALL_VISIBLE, GENERAL = 0, 1, 2
@@ -152,7 +153,7 @@ def pad_last(x, width: int):
 
 def width(dqk: int, dv: int, extra: int) -> int:
     """One head width for Q, K, V: the larger of dqk and dv + extra, rounded up to a multiple of 8."""
-    return -(-max(dqk, dv + extra) // 8) * 8
+    return round_up(max(dqk, dv + extra), 8)
 
 
 def check_width(kernel: str, q, dv: int, dlse_columns: int, *, any_dtype: bool = False) -> int:

@@ -32,6 +32,7 @@ from parallel import compat
 from parallel.kernels import mosaic
 from parallel.kernels.arguments import Options, Tokens
 from parallel.kernels.blockwise import pad, pad_keys, pad_queries, pair_mask
+from parallel.kernels.softmax import backward_delta, finish_lse, safe_shift
 from parallel.segments import INT32_MAX, may_see
 
 # Triton compiler params of every kernel: 8 warps (two warpgroups; with 4, H100 compiles of these tiles spill
@@ -96,7 +97,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_re
         s = _dot(q, k_ref[window, :], transpose_b=True) * scale
         s = jnp.where(pair_mask(q_side, kv_side, causal=causal, window=sliding), s, -jnp.inf)
         new_max = jnp.maximum(row_max, s.max(-1))
-        safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
+        safe_max = safe_shift(new_max)
         p = jnp.exp(s - safe_max[:, None])
         correction = jnp.exp(row_max - safe_max)
         pv = _dot(p.astype(v_ref.dtype), v_ref[window, :])
@@ -117,7 +118,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_refs: Tokens, kv_refs: Tokens, out_re
     row_max, row_sum, acc = lax.fori_loop(0, nk, step, init)
     seen = row_sum > 0
     out_ref[...] = (acc / jnp.where(seen, row_sum, 1.0)[:, None]).astype(out_ref.dtype)
-    lse_ref[...] = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), -jnp.inf)
+    lse_ref[...] = finish_lse(row_max, row_sum)
 
 
 def _pad_operands(q, k, v, q_multiple: int, kv_multiple: int):
@@ -182,7 +183,7 @@ def _dkdv_kernel(
         q, do = q_ref[window, head, :], do_ref[window, head, :]
         lse, delta = lse_ref[head, window], delta_ref[head, window]
         s = _dot(q, k, transpose_b=True) * scale
-        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+        lse = safe_shift(lse)
         p = jnp.where(pair_mask(q_side, kv_side, causal=causal, window=sliding), jnp.exp(s - lse[:, None]), 0.0)
         dp = _dot(do, v, transpose_b=True)
         ds = (p * (dp - delta[:, None])).astype(q.dtype)
@@ -206,7 +207,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, 
     bk, nk = static["block_kv"], static["kv_blocks"]
     q, do, q_side = q_ref[...], do_ref[...], _load(q_refs)
     lse, delta = lse_ref[...], delta_ref[...]
-    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    lse = safe_shift(lse)
     q_summary = _summary(q_side)
 
     def update(window, kv_side, dq):
@@ -245,9 +246,7 @@ def backward(
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
     # d score = p (dp - delta), delta = dout . out - dlse (see parallel.kernels.blockwise.backward)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
-    if dlse is not None:
-        delta = delta - dlse
+    delta = backward_delta(out, dout, dlse)
     dtypes = (q.dtype, k.dtype, v.dtype)
     bq, bk, dkdv_params = _config("dkdv", q, k, v, options)
     bq_dq, bk_dq, dq_params = _config("dq", q, k, v, options)

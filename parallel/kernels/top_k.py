@@ -31,7 +31,7 @@ class Selection(NamedTuple):
     scores [batch, tq, count] float32; a slot with no key (a query that sees fewer than `count`) has score -inf and
     position 0."""
 
-    indices: jax.Array
+    selected: jax.Array
     scores: jax.Array
 
     @property
@@ -72,7 +72,7 @@ def top_k(q, weights, k, q_tokens: Tokens, kv_tokens: Tokens, *, count: int, opt
             s = index_scores(q_blk, w_blk, take_block(k, b, j, bk))
             visible = pair_mask(q_side, side_block(kv_tokens, b, j, bk), causal=options.causal, window=options.window)
             scores = jnp.concatenate([best.scores, jnp.where(visible, s, -jnp.inf)], -1)
-            positions = jnp.concatenate([best.indices, jnp.broadcast_to(j * bk + jnp.arange(bk), (bq, bk))], -1)
+            positions = jnp.concatenate([best.selected, jnp.broadcast_to(j * bk + jnp.arange(bk), (bq, bk))], -1)
             # best first, equal scores by global index: the same keys whatever the layout's order
             negated, _, positions = lax.sort((-scores, kv_tokens.index[positions], positions), num_keys=2)
             return Selection(positions[:, :count], -negated[:, :count])
@@ -83,5 +83,5 @@ def top_k(q, weights, k, q_tokens: Tokens, kv_tokens: Tokens, *, count: int, opt
         none = Selection(jnp.zeros((bq, count), jnp.int32), jnp.full((bq, count), -jnp.inf, jnp.float32))
         return lax.fori_loop(first[b, i], last[b, i], step, none)
 
-    indices, scores = (x.reshape(batch, nq * bq, count)[:, :tq] for x in lax.map(q_block, jnp.arange(batch * nq)))
-    return Selection(jnp.where(scores > -jnp.inf, indices, 0), scores)
+    selected, scores = (x.reshape(batch, nq * bq, count)[:, :tq] for x in lax.map(q_block, jnp.arange(batch * nq)))
+    return Selection(jnp.where(scores > -jnp.inf, selected, 0), scores)

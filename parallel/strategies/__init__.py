@@ -1,7 +1,7 @@
 """Context strategies behind one registry: adding one is one module plus one line here.
 
 Each takes global q [batch, length, heads, dqk], k / v [batch, length, kv_heads, d], segment ids
-[batch, length] or None, and returns [batch, length, heads, dv] in the same (plan.layout) order.
+[batch, length] or None, and returns [batch, length, heads, dv] in the same (parallelism.layout) order.
 """
 
 from parallel.strategies import all_gather, none, ring, ulysses, usp

@@ -27,29 +27,34 @@ from parallel.reorder import from_balanced
 from parallel.strategies import halo
 from parallel.strategies.common import (
     axis_shards,
+    chosen_kernel,
     global_index,
     kernel,
     kernel_options,
     local_piece,
-    plan_kernel,
     run_sharded,
     wants_original_order,
 )
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, parallelism, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
     heads, dv]. With a window each device receives only the keys its windows reach (parallel/strategies/halo.py)
     when that is less than the whole sequence."""
-    axis, shards = plan.axis, axis_shards(mesh, plan.axis)
-    index = global_index(q.shape[1], plan, shards)
-    in_order, chunked = wants_original_order(plan), plan.layout in ("contiguous", "dual_chunk") or shards == 1
+    axis, shards = parallelism.axis, axis_shards(mesh, parallelism.axis)
+    index = global_index(q.shape[1], parallelism, shards)
+    in_order, chunked = (
+        wants_original_order(parallelism),
+        parallelism.layout in ("contiguous", "dual_chunk") or shards == 1,
+    )
     if in_order and (not chunked or window is not None):  # striped, or a window: no call a packed kernel serves
-        plan = dataclasses.replace(plan, kernel=kernels.general_kernel(plan_kernel(plan).name, plan.platform))
-    options = kernel_options(plan, causal=causal, scale=scale, window=window)
+        parallelism = dataclasses.replace(
+            parallelism, kernel=kernels.general_kernel(chosen_kernel(parallelism).name, parallelism.platform)
+        )
+    options = kernel_options(parallelism, causal=causal, scale=scale, window=window)
     found = halo.shifts(index, shards, window)
     if found is not None:
-        exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, plan=plan)
+        exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, parallelism=parallelism)
         return run_sharded(functools.partial(halo.halo_local, **exchange), mesh, axis, q, k, v, segment_ids, sinks)
     by_chunks = in_order and chunked and window is None
 
@@ -57,19 +62,21 @@ def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh)
         k_all, v_all, seg_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))
         q_tokens = Tokens(seg, local_piece(index, shards, lax.axis_index(axis)))
         if by_chunks:
-            layout = dict(layout=plan.layout if shards > 1 else "contiguous", axis=1)
+            layout = dict(layout=parallelism.layout if shards > 1 else "contiguous", axis=1)
             k_all, v_all, seg_all = (from_balanced(x, shards, **layout) for x in (k_all, v_all, seg_all))
             chunks = 2 if layout["layout"] == "dual_chunk" else 1
-            out, lse = chunk_calls(q, k, v, q_tokens, k_all, v_all, seg_all, chunks=chunks, options=options, plan=plan)
+            out, lse = chunk_calls(
+                q, k, v, q_tokens, k_all, v_all, seg_all, chunks=chunks, options=options, parallelism=parallelism
+            )
         else:
             kv_tokens = Tokens(seg_all, jnp.asarray(index))
-            out, lse = kernel(q, k_all, v_all, q_tokens, kv_tokens, options=options, plan=plan)
+            out, lse = kernel(q, k_all, v_all, q_tokens, kv_tokens, options=options, parallelism=parallelism)
         return attention_sinks.apply(out, lse, sinks)
 
     return run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks)
 
 
-def chunk_calls(q, k, v, q_tokens: Tokens, k_all, v_all, seg_all, *, chunks: int, options: Options, plan):
+def chunk_calls(q, k, v, q_tokens: Tokens, k_all, v_all, seg_all, *, chunks: int, options: Options, parallelism):
     """The local piece's attention as calls a packed kernel serves. q [batch, n, heads, dqk], k/v [batch, n,
     kv_heads, d], q_tokens (segment ids [batch, n], traced global index [n]): this device's piece, `chunks` runs of
     consecutive tokens; k_all/v_all [batch, length, ...], seg_all [batch, length]: the whole sequence in original order.
@@ -78,7 +85,7 @@ def chunk_calls(q, k, v, q_tokens: Tokens, k_all, v_all, seg_all, *, chunks: int
     if not options.causal:
         piece = np.arange(q.shape[1], dtype=np.int32)  # increasing, as the piece's index is: only the order matters
         sides = (q_tokens._replace(index=piece), Tokens(seg_all, everything))
-        return kernel(q, k_all, v_all, *sides, options=options, plan=plan)
+        return kernel(q, k_all, v_all, *sides, options=options, parallelism=parallelism)
     size = q.shape[1] // chunks
     own = np.arange(size, dtype=np.int32)
     prior_options = dataclasses.replace(options, causal=False)
@@ -86,9 +93,11 @@ def chunk_calls(q, k, v, q_tokens: Tokens, k_all, v_all, seg_all, *, chunks: int
     for c in range(chunks):
         part = slice(c * size, (c + 1) * size)
         q_c, chunk = q[:, part], Tokens(q_tokens.segment_ids[:, part], own)
-        out, lse = kernel(q_c, k[:, part], v[:, part], chunk, chunk, options=options, plan=plan)
+        out, lse = kernel(q_c, k[:, part], v[:, part], chunk, chunk, options=options, parallelism=parallelism)
         before = jnp.where(everything < q_tokens.index[c * size], seg_all, 0)  # keys after the chunk's first as padding
-        prior = kernel(q_c, k_all, v_all, chunk, Tokens(before, everything), options=prior_options, plan=plan)
+        prior = kernel(
+            q_c, k_all, v_all, chunk, Tokens(before, everything), options=prior_options, parallelism=parallelism
+        )
         out, lse = merge(out.astype(jnp.float32), lse, prior[0].astype(jnp.float32), prior[1])
         outs.append(out.astype(q.dtype))
         lses.append(lse)

@@ -27,7 +27,7 @@ def axis_shards(mesh, axis) -> int:
 
 
 def layout_shards(mesh, axis) -> int:
-    """The ranks a row's layout is balanced over (parallel.planning.to_layout's `context`): the axis's, or the ring
+    """The ranks a row's layout is balanced over (parallel.settings.to_layout's `context`): the axis's, or the ring
     axis's under usp (axis = (ring axis, ulysses axis)), whose pieces the row is then split into in (ring, ulysses)
     order."""
     return axis_shards(mesh, axis_names(axis)[0])
@@ -46,10 +46,11 @@ def specs(mesh, axis):
     )
 
 
-def global_index(length: int, plan, shards: int) -> np.ndarray:
-    """int32 [length]: original token index of each position of a sequence in `plan.layout` for `shards` ranks."""
-    if plan.layout != "contiguous" and shards > 1:
-        return layout_index(length, shards, plan.layout, plan.stripe)
+def global_index(length: int, parallelism, shards: int) -> np.ndarray:
+    """int32 [length]: original token index of each position of a sequence in `parallelism.layout` for `shards`
+    ranks."""
+    if parallelism.layout != "contiguous" and shards > 1:
+        return layout_index(length, shards, parallelism.layout, parallelism.stripe)
     return np.arange(length, dtype=np.int32)
 
 
@@ -59,49 +60,54 @@ def local_piece(index: np.ndarray, shards: int, rank):
     return lax.dynamic_index_in_dim(table, rank, axis=0, keepdims=False)
 
 
-def kernel_options(plan, *, causal: bool, scale: float, window: int | None) -> Options:
-    """The kernel options of a strategy's calls: `causal`, `scale`, `window` and the plan's block sizes, with a window
-    at most max(64, W // 2) tokens: a block pair across the window's edge is computed whole, so blocks much longer
-    than the window compute mostly masked pairs (bench/window.py)."""
-    block_q, block_kv = plan.block_q, plan.block_kv
+def kernel_options(parallelism, *, causal: bool, scale: float, window: int | None) -> Options:
+    """The kernel options of a strategy's calls: `causal`, `scale`, `window` and the parallelism's block sizes, with a
+    window at most max(64, W // 2) tokens: a block pair across the window's edge is computed whole, so blocks much
+    longer than the window compute mostly masked pairs (bench/window.py)."""
+    block_q, block_kv = parallelism.block_q, parallelism.block_kv
     if window is not None:
         block_q, block_kv = min(block_q, max(64, window // 2)), min(block_kv, max(64, window // 2))
     return Options(causal=causal, scale=scale, block_q=block_q, block_kv=block_kv, window=window)
 
 
-def kernel(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, plan):
-    """The plan's attention kernel on q [batch, tq, heads, dqk], k / v [batch, tk, kv_heads, d] and the tokens of
+def kernel(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, parallelism):
+    """The parallelism's attention kernel on q [batch, tq, heads, dqk], k / v [batch, tk, kv_heads, d] and the tokens of
     each side -> (out [batch, tq, heads, dv], lse [batch, tq, heads])."""
-    return kernels.attention(q, k, v, q_tokens, kv_tokens, options, kernel=plan_kernel(plan))
+    return kernels.attention(q, k, v, q_tokens, kv_tokens, options, kernel=chosen_kernel(parallelism))
 
 
-def plan_kernel(plan) -> kernels.Kernel:
-    """The plan's attention kernel for the devices it compiles for."""
-    return kernels.select(plan.kernel, interpret=plan.interpret, backend=plan.platform, capability=plan.capability)
+def chosen_kernel(parallelism) -> kernels.Kernel:
+    """The parallelism's attention kernel for the devices it compiles for."""
+    return kernels.select(
+        parallelism.kernel,
+        interpret=parallelism.interpret,
+        backend=parallelism.platform,
+        capability=parallelism.capability,
+    )
 
 
-def wants_original_order(plan) -> bool:
-    """Whether the plan's kernel needs a sequence in original token order: the packed kernels (cuDNN's,
+def wants_original_order(parallelism) -> bool:
+    """Whether the parallelism's kernel needs a sequence in original token order: the packed kernels (cuDNN's,
     FlashAttention-3's) describe each document as one run of increasing indices (parallel/kernels/packed.py); the
     other kernels take any order."""
-    return plan_kernel(plan).name in kernels.PACKED
+    return chosen_kernel(parallelism).name in kernels.PACKED
 
 
-def whole_sequence(q, k, v, seg, *, shards: int, options: Options, plan):
-    """The plan's kernel over a whole sequence held in `plan.layout` for `shards` ranks: q [batch, length, heads,
-    dqk], k/v [batch, length, kv_heads, d], seg [batch, length] (None = one document) -> (out [batch, length, heads,
-    dv], lse [batch, length, heads]) in that layout. Under cuDNN without a window (which it leaves to its general
+def whole_sequence(q, k, v, seg, *, shards: int, options: Options, parallelism):
+    """The parallelism's kernel over a whole sequence held in `parallelism.layout` for `shards` ranks: q [batch, length,
+    heads, dqk], k/v [batch, length, kv_heads, d], seg [batch, length] (None = one document) -> (out [batch, length,
+    heads, dv], lse [batch, length, heads]) in that layout. Under cuDNN without a window (which it leaves to its general
     kernel) the call runs in original order (static layout ops there and back), so it is the causal diagonal (or
     all-visible, non-causal) that cuDNN serves."""
-    if wants_original_order(plan) and options.window is None:
-        order = dict(layout=plan.layout if shards > 1 else "contiguous", stripe=plan.stripe, axis=1)
+    if wants_original_order(parallelism) and options.window is None:
+        order = dict(layout=parallelism.layout if shards > 1 else "contiguous", stripe=parallelism.stripe, axis=1)
         seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
         q, k, v, seg = (from_balanced(x, shards, **order) for x in (q, k, v, seg))
         tokens = Tokens(seg, np.arange(q.shape[1], dtype=np.int32))
-        out, lse = kernel(q, k, v, tokens, tokens, options=options, plan=plan)
+        out, lse = kernel(q, k, v, tokens, tokens, options=options, parallelism=parallelism)
         return to_balanced(out, shards, **order), to_balanced(lse, shards, **order)
-    tokens = Tokens(seg, jnp.asarray(global_index(q.shape[1], plan, shards)))
-    return kernel(q, k, v, tokens, tokens, options=options, plan=plan)
+    tokens = Tokens(seg, jnp.asarray(global_index(q.shape[1], parallelism, shards)))
+    return kernel(q, k, v, tokens, tokens, options=options, parallelism=parallelism)
 
 
 def run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks=None, latent=None, latent_heads=()):

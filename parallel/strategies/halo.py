@@ -28,7 +28,7 @@ from parallel.kernels import Options, Tokens
 from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
 from parallel.segments import INT32_MAX
-from parallel.strategies.common import kernel, local_piece, plan_kernel
+from parallel.strategies.common import chosen_kernel, kernel, local_piece
 
 
 class Shift(NamedTuple):
@@ -92,7 +92,9 @@ class Residuals(NamedTuple):
     lse: jax.Array  # [batch, n, heads] float32 merged log-sum-exp
 
 
-def halo_local(q, k, v, seg, sinks, *, axis, shards: int, index, found: tuple[Shift, ...], options: Options, plan):
+def halo_local(
+    q, k, v, seg, sinks, *, axis, shards: int, index, found: tuple[Shift, ...], options: Options, parallelism
+):
     """Inside a shard_map over `axis` (shards devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
     seg [batch, n] are this device's piece, sinks [heads] or None; index: numpy [shards * n] global token index of
     every piece in order; found: shifts(index, shards, options.window). -> out [batch, n, heads, dv], the sinks
@@ -100,12 +102,12 @@ def halo_local(q, k, v, seg, sinks, *, axis, shards: int, index, found: tuple[Sh
     backward with the merged out and lse (as a ring step does) and sends the halo's dK / dV home."""
     if not found:  # every window within the own piece
         own = Tokens(seg, local_piece(index, shards, lax.axis_index(axis)))
-        return attention_sinks.apply(*kernel(q, k, v, own, own, options=options, plan=plan), sinks)
-    impl = plan_kernel(plan)
+        return attention_sinks.apply(*kernel(q, k, v, own, own, options=options, parallelism=parallelism), sinks)
+    impl = chosen_kernel(parallelism)
     received_index = np.concatenate([shift.index for shift in found], axis=1)
 
     def grad_dtype(x):
-        return jnp.float32 if plan.ring_grad_dtype == "float32" else x.dtype
+        return jnp.float32 if parallelism.ring_grad_dtype == "float32" else x.dtype
 
     def sides(seg, halo_seg):
         """(own tokens, halo tokens): the local piece's and the received rows' segment ids and global indices."""

@@ -9,8 +9,8 @@ out / lse merge into their rows of the running result in place. A sliding window
 rank's, traced), so its steps are one call over the whole piece with those indices, the kernel skipping what
 the window leaves out. The backward ring sends dK/dV along the same path one step behind K/V, so they arrive back
 at their owner; each step's kernel adds its terms into the running dq / dK / dV (in place in the blockwise
-kernel). dK/dV sum and travel in float32, or with `plan.ring_grad_dtype="compute"` in K/V's dtype (half the bytes in
-bfloat16; each step's terms are still computed in float32). Given MLA's latent (parallel/latent.py), its rows
+kernel). dK/dV sum and travel in float32, or with `parallelism.ring_grad_dtype="compute"` in K/V's dtype (half the bytes
+in bfloat16; each step's terms are still computed in float32). Given MLA's latent (parallel/latent.py), its rows
 travel in K/V's place and each step expands the rows it attends to; the rows' gradient travels back as dK/dV do.
 """
 
@@ -30,7 +30,7 @@ from parallel.kernels import sinks as attention_sinks
 from parallel.latent import expand as expand_latent
 from parallel.lse_merge import merge
 from parallel.strategies import halo
-from parallel.strategies.common import axis_shards, global_index, kernel_options, plan_kernel, run_sharded
+from parallel.strategies.common import axis_shards, chosen_kernel, global_index, kernel_options, run_sharded
 from parallel.strategies.ring_steps import StepShape, step_shapes
 
 
@@ -46,7 +46,7 @@ class Residuals(NamedTuple):
     lse: jax.Array  # [batch, n, heads] float32 merged log-sum-exp
 
 
-def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int, index, options: Options, plan):
+def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int, index, options: Options, parallelism):
     """Inside a shard_map over `axis` (shards devices): q [batch, n, heads, dqk], k/v [batch, n, kv_heads, d] and
     seg [batch, n] are this device's piece, sinks [heads] or None; index: numpy [shards * n] global token index of
     every piece in order. Returns out [batch, n, heads, dv], the sinks applied once to the merged pieces (the
@@ -58,18 +58,18 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
     if found is not None:
         if latent is not None:
             k, v = expand_latent(latent[1], latent[0], latent[2])
-        exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, plan=plan)
+        exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, parallelism=parallelism)
         return halo.halo_local(q, k, v, seg, sinks, **exchange)
     n = q.shape[1]
     table = index.reshape(shards, n)  # numpy: a constant in each traced function (custom_vjp closes over no tracer)
-    impl = plan_kernel(plan)
+    impl = chosen_kernel(parallelism)
     own = np.arange(n, dtype=np.int32)
     # Without a window a step's shape is fixed by whether its piece comes from a lower or a higher rank; a window
     # compares global indices, which are the rank's (traced), so its steps take them as they are.
     shapes = (
         None
         if options.window is not None
-        else step_shapes(plan.layout if shards > 1 else "contiguous", n, plan.stripe, options.causal)
+        else step_shapes(parallelism.layout if shards > 1 else "contiguous", n, parallelism.stripe, options.causal)
     )
     if latent is None:
         travel, fixed = (k, v), ()
@@ -79,7 +79,7 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         expand = functools.partial(lambda nope, kv_b, rows: expand_latent(kv_b, rows, nope), latent[2])
 
     def grad_dtype(x):
-        return jnp.float32 if plan.ring_grad_dtype == "float32" else x.dtype
+        return jnp.float32 if parallelism.ring_grad_dtype == "float32" else x.dtype
 
     to_next = [(i, (i + 1) % shards) for i in range(shards)]
 
@@ -242,13 +242,15 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
     return attention_sinks.apply(*ring(q, fixed, travel, seg), sinks)
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh, latent=None):
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, parallelism, mesh, latent=None):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
     heads, dv]. With a window each device receives only the keys its windows reach (parallel/strategies/halo.py)
     when that is less than the ring's cp - 1 pieces; else every step runs, its kernel skipping the block pairs
     outside the window. latent: a `parallel.latent.Latent` making k and v, which then rotates in their place."""
-    axis, shards = plan.axis, axis_shards(mesh, plan.axis)
-    index = global_index(q.shape[1], plan, shards)
-    options = kernel_options(plan, causal=causal, scale=scale, window=window)
-    local = functools.partial(ring_local, axis=axis, shards=shards, index=index, options=options, plan=plan)
+    axis, shards = parallelism.axis, axis_shards(mesh, parallelism.axis)
+    index = global_index(q.shape[1], parallelism, shards)
+    options = kernel_options(parallelism, causal=causal, scale=scale, window=window)
+    local = functools.partial(
+        ring_local, axis=axis, shards=shards, index=index, options=options, parallelism=parallelism
+    )
     return run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks, latent)

@@ -53,16 +53,18 @@ def gather_heads(out, axis: str):
     return lax.all_to_all(out, axis, split_axis=1, concat_axis=2, tiled=True)
 
 
-def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, plan, mesh):
+def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, parallelism, mesh):
     """q: [batch, length, heads, dqk], k/v: [batch, length, kv_heads, d], sinks [heads] or None -> [batch, length,
     heads, dv]. Sinks apply to each device's heads before the output all-to-all (the kernel saw whole rows)."""
-    axis, shards = plan.axis, axis_shards(mesh, plan.axis)
+    axis, shards = parallelism.axis, axis_shards(mesh, parallelism.axis)
     check_heads(q.shape[2], k.shape[2], shards, axis)
-    options = kernel_options(plan, causal=causal, scale=scale, window=window)
+    options = kernel_options(parallelism, causal=causal, scale=scale, window=window)
 
     def local(q, k, v, seg, sinks):
         q, k, v = scatter_heads(q, k, v, axis, shards)
-        out, lse = whole_sequence(q, k, v, gather_sequence(seg, axis), shards=shards, options=options, plan=plan)
+        out, lse = whole_sequence(
+            q, k, v, gather_sequence(seg, axis), shards=shards, options=options, parallelism=parallelism
+        )
         return gather_heads(attention_sinks.apply(out, lse, attention_sinks.local_heads(sinks, axis, shards)), axis)
 
     return run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks)

@@ -14,7 +14,7 @@ import pytest
 
 import train.__main__ as cli
 from parallel import targets
-from parallel.planning import make_plan
+from parallel.settings import make_parallelism
 from tests.train.lowered_step import lowered_step
 from tests.train.tiny_run import REPO, TINY
 from train.config import load_config
@@ -138,7 +138,7 @@ def test_auto_is_cudnn_on_compile_only_hoppers():
     """The kernel is resolved from the target's devices (compute capability 9.0), not from this machine's CPU."""
     for name in targets.TARGETS:
         device = targets.compile_only_devices(name, 1)[0]
-        assert make_plan(load_config(TINY).parallel, {}, device).kernel == "cudnn"
+        assert make_parallelism(load_config(TINY).parallel, {}, device).kernel == "cudnn"
 
 
 def test_bad_target_requests_are_named_before_compiling(monkeypatch, capsys):

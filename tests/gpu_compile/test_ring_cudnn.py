@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import parallel
 from parallel import compat, targets
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -42,13 +42,13 @@ def test_ring_compiles_only_the_kinds_its_steps_can_be():
     rows = NamedSharding(mesh, P(None, "context"))
     spec = lambda heads: jax.ShapeDtypeStruct((1, LENGTH, heads, HEAD_DIM), jnp.bfloat16, sharding=rows)
     segment_ids = jax.ShapeDtypeStruct((1, LENGTH), jnp.int32, sharding=rows)
-    plan = Plan(kernel="cudnn", platform="gpu", capability="9.0", layout="dual_chunk")
+    parallelism = Parallelism(kernel="cudnn", platform="gpu", capability="9.0", layout="dual_chunk")
 
     def loss(q, k, v, segment_ids):
         out = parallel.attention(q, k, v, segment_ids=segment_ids, mesh=mesh, strategy="ring")
         return jnp.sum(out.astype(jnp.float32))
 
-    with jax.set_mesh(mesh), use_plan(plan):
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
         text = grad.trace(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), segment_ids).lower().compile().as_text()
     calls = [(name, mask, line) for line in text.splitlines() for name, mask in CALL.findall(line)]

@@ -140,7 +140,7 @@ def test_parameters_split_over_fsdp_and_context_are_not_replicated(strategy, cap
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_sparse_attention_step_compiles_for_h100(strategy, capfd):
     """The tiny DeepSeek-V3.2 (rows of 256 tokens, index_topk 64: every layer attends sparsely) with experts over
-    expert 2 x context 4: no attention kernel in the program, the latents and index keys gathered (about 30 s)."""
+    expert 2 x context 4: no attention kernel in the program, the latents and indexer keys gathered (about 30 s)."""
     mesh = ["mesh.fsdp=1", "mesh.expert=2", "mesh.context=4", f"parallel.context_strategy={strategy}"]
     plan = plan_memory(
         load_config(REPO / "configs/deepseek-v3.2-tiny.yaml", mesh), targets.compile_only_devices("h100", 8)

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import parallel
 from parallel import targets
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 
 pytestmark = [
     pytest.mark.gpu_compile,
@@ -41,7 +41,7 @@ def custom_calls(strategy: str, kernel: str, window: int | None) -> set[str]:
     segment_ids = jax.ShapeDtypeStruct((1, LENGTH), jnp.int32, sharding=rows)
     sinks = jax.ShapeDtypeStruct((HEADS,), jnp.float32, sharding=NamedSharding(mesh, P()))
     layout = "contiguous" if strategy == "none" else "dual_chunk"
-    plan = Plan(kernel=kernel, platform="gpu", capability="9.0", layout=layout)
+    parallelism = Parallelism(kernel=kernel, platform="gpu", capability="9.0", layout=layout)
 
     def loss(q, k, v, sinks, segment_ids):
         out = parallel.attention(
@@ -49,7 +49,7 @@ def custom_calls(strategy: str, kernel: str, window: int | None) -> set[str]:
         )
         return jnp.sum(out.astype(jnp.float32))
 
-    with jax.set_mesh(mesh), use_plan(plan):
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
         text = grad.trace(spec(HEADS), spec(KV_HEADS), spec(KV_HEADS), sinks, segment_ids).lower().compile().as_text()
     return set(re.findall(r'custom_call_target="([^"]+)"', text))

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from layers.gated_deltanet import GatedDeltaNet
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import from_balanced, to_balanced
 from tests.parallel.attention_reference import packed_segments, relative_error
 
@@ -87,7 +87,7 @@ def test_ring_over_8_devices_equals_one_device(layout):
         return jnp.sum(from_balanced(out, shards, **order) * w)
 
     expected = jax.value_and_grad(loss)(params, x, seg, False)
-    with jax.set_mesh(mesh), use_plan(Plan(strategy="ring", layout=layout, mesh=mesh)):
+    with jax.set_mesh(mesh), use_parallelism(Parallelism(strategy="ring", layout=layout, mesh=mesh)):
         actual = jax.jit(jax.value_and_grad(loss), static_argnums=3)(params, x, seg, True)
     assert relative_error(actual[0], expected[0]) <= 2e-5
     for a, e in zip(jax.tree.leaves(actual[1]), jax.tree.leaves(expected[1]), strict=True):

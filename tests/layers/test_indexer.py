@@ -66,11 +66,15 @@ def test_top_k_matches_transformers(kind):
         mask = torch.from_numpy(np.where(visible, 0.0, -np.inf)).float()
         expected = indexer(x_t, torch.from_numpy(q_latent).float(), rotary(x_t, position_ids), mask, position_ids)
     inv_freq, factor = inverse_frequencies(ROPE, rotary.config.rope_parameters["rope_theta"])
-    index = ours(indexer, KINDS[kind][3])(jnp.asarray(q_latent, jnp.float32), jnp.asarray(x, jnp.float32),
+    indexer_out = ours(indexer, KINDS[kind][3])(jnp.asarray(q_latent, jnp.float32), jnp.asarray(x, jnp.float32),
                                          jnp.asarray(positions), inv_freq, factor)  # fmt: skip
     options = Options(causal=True, block_q=8, block_kv=8)
-    selection = top_k(index.queries, index.weights, index.keys, tokens, tokens, count=TOPK, options=options)
-    dense = np.where(visible, np.asarray(index_scores(index.queries, index.weights, index.keys)), -np.inf)
+    selection = top_k(
+        indexer_out.queries, indexer_out.weights, indexer_out.keys, tokens, tokens, count=TOPK, options=options
+    )
+    dense = np.where(
+        visible, np.asarray(index_scores(indexer_out.queries, indexer_out.weights, indexer_out.keys)), -np.inf
+    )
     ranked = -np.sort(-dense, -1)
     compared = 0
     for b in range(2):
@@ -79,7 +83,7 @@ def test_top_k_matches_transformers(kind):
                 continue  # a tie at the boundary: either key is right
             theirs = {int(t) for t in expected[b, s].numpy() if visible[b, s, t]}  # masked keys fill short rows
             valid = np.asarray(selection.valid[b, s])
-            assert set(np.asarray(selection.indices[b, s])[valid].tolist()) == theirs, (b, s)
+            assert set(np.asarray(selection.selected[b, s])[valid].tolist()) == theirs, (b, s)
             compared += 1
     assert compared > 0.8 * 2 * LENGTH
 

@@ -16,9 +16,9 @@ from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM
 
 from models.hf import load_pretrained, save_pretrained
-from parallel.plan import Plan, use_plan
-from parallel.planning import to_layout
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import from_balanced
+from parallel.settings import to_layout
 
 
 def save_random(model, path, max_shard_size="10MB"):
@@ -94,11 +94,13 @@ def assert_case_round_trips(tmp_path: pathlib.Path, config_class, model_class, f
     assert {key: getattr(model.config, key) for key in expected} == expected
 
 
-def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True, mesh_axes=(("context", 8),)) -> None:
-    """`model`'s logits with rows split over the mesh of `mesh_axes` ((name, size) pairs of 8 devices) in `plan`
-    (one long document; two packed), laid out as the trainer lays them (parallel.planning.to_layout over the context
-    axis, then split over the plan's axis), equal transformers' `reference` (run in float64 when `float64`) for each
-    document alone, to 1e-4."""
+def assert_split_rows_match(
+    reference, model, parallelism: Parallelism, float64: bool = True, mesh_axes=(("context", 8),)
+) -> None:
+    """`model`'s logits with rows split over the mesh of `mesh_axes` ((name, size) pairs of 8 devices) in `parallelism`
+    (one long document; two packed), laid out as the trainer lays them (parallel.settings.to_layout over the context
+    axis, then split over the parallelism's axis), equal transformers' `reference` (run in float64 when `float64`) for
+    each document alone, to 1e-4."""
     length, first = 48, 29  # the packed row: a document of 29 tokens, then one of 19
     ids = np.random.default_rng(0).integers(0, SIZES["vocab_size"], size=(2, length)).astype(np.int32)
     positions = np.stack([np.arange(length), np.concatenate([np.arange(first), np.arange(length - first)])])
@@ -111,16 +113,16 @@ def assert_split_rows_match(reference, model, plan: Plan, float64: bool = True, 
     names, sizes = zip(*mesh_axes, strict=True)
     mesh = Mesh(np.array(jax.devices()[: math.prod(sizes)]).reshape(sizes), names)
     context = dict(mesh_axes)["context"]
-    batch = to_layout(dict(ids=ids, positions=positions, segments=segments), plan, context)
+    batch = to_layout(dict(ids=ids, positions=positions, segments=segments), parallelism, context)
     graph, state = nnx.split(model)
 
     def logits(state, ids, positions, segments):
         out = nnx.merge(graph, state)(ids, positions, segments)
-        if plan.layout == "contiguous":
+        if parallelism.layout == "contiguous":
             return out
-        return from_balanced(out, context, layout=plan.layout, stripe=plan.stripe)
+        return from_balanced(out, context, layout=parallelism.layout, stripe=parallelism.stripe)
 
-    with jax.set_mesh(mesh), use_plan(dataclasses.replace(plan, mesh=mesh)):
+    with jax.set_mesh(mesh), use_parallelism(dataclasses.replace(parallelism, mesh=mesh)):
         actual = np.asarray(jax.jit(logits)(state, batch["ids"], batch["positions"], batch["segments"]))
     assert np.abs(expected).max() > 1.0
     np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-4)

@@ -13,7 +13,7 @@ from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaCon
 from models.hf import load_pretrained
 from models.hf.deepseek_v32 import config_from_hf, config_to_hf, glm_config_from_hf
 from models.hf.families import for_export
-from parallel.plan import Plan
+from parallel.parallelism import Parallelism
 from tests.models.hf_reference import (
     assert_round_trip,
     assert_split_rows_match,
@@ -96,9 +96,9 @@ def test_rows_split_over_context_devices_give_transformers_logits(tmp_path, kind
     reference = save_random(model_class(config_class(**TINY)), tmp_path)
     strategy, mesh_axes = SPLITS[split]
     axis = ("context", "ulysses") if strategy == "usp" else "context"
-    plan = Plan(strategy=strategy, axis=axis, layout="dual_chunk", block_q=8, block_kv=8)
+    parallelism = Parallelism(strategy=strategy, axis=axis, layout="dual_chunk", block_q=8, block_kv=8)
     # grouped experts: float32
-    assert_split_rows_match(reference, load_pretrained(tmp_path), plan, float64=False, mesh_axes=mesh_axes)
+    assert_split_rows_match(reference, load_pretrained(tmp_path), parallelism, float64=False, mesh_axes=mesh_axes)
 
 
 @pytest.mark.parametrize("name, kind", [("deepseek-v3.2", "deepseek-v3.2"), ("glm-5", "glm-5")])

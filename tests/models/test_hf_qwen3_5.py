@@ -14,7 +14,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditiona
 from layers.rope import RopeScalingConfig
 from models.config import FULL, LINEAR
 from models.hf import load_pretrained
-from parallel.plan import Plan
+from parallel.parallelism import Parallelism
 from tests.models.hf_reference import SIZES, assert_case_round_trips, assert_split_rows_match, hf_logits, save_random
 
 TEXT = dict(
@@ -60,7 +60,7 @@ def tiny(tmp_path_factory):
 
 
 def test_rows_split_over_8_context_devices_give_transformers_logits(tiny):
-    assert_split_rows_match(*tiny, Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8))
+    assert_split_rows_match(*tiny, Parallelism(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8))
 
 
 def test_conditional_generation_imports_its_text_model(tmp_path, caplog):

@@ -23,7 +23,7 @@ from transformers import (
 from models.config import FULL, LINEAR
 from models.hf import load_pretrained
 from models.hf.families import by_architecture
-from parallel.planning import make_plan
+from parallel.settings import make_parallelism
 from tests.models import test_hf_qwen3_5
 from tests.models.hf_reference import SIZES, assert_case_round_trips, hf_logits, save_random
 from train.config import ParallelConfig, load_config
@@ -68,10 +68,10 @@ def test_rows_over_ring_8_with_the_default_dispatch_give_transformers_logits(tmp
     }[architecture]
     fields = dict(fields, num_experts=8, num_experts_per_tok=1)
     reference = save_random(causal_lm(config(**SIZES, initializer_range=0.1, **fields)), tmp_path)
-    plan = make_plan(ParallelConfig(context_strategy="ring", block_q=8, block_kv=8), {"context": 8})
-    assert plan.expert_dispatch == "capacity"
+    parallelism = make_parallelism(ParallelConfig(context_strategy="ring", block_q=8, block_kv=8), {"context": 8})
+    assert parallelism.expert_dispatch == "capacity"
     # torch's grouped experts have no float64
-    test_hf_qwen3_5.assert_split_rows_match(reference, load_pretrained(tmp_path), plan, float64=False)
+    test_hf_qwen3_5.assert_split_rows_match(reference, load_pretrained(tmp_path), parallelism, float64=False)
 
 
 def test_load_balancing_loss_is_transformers_aux_loss(tmp_path):

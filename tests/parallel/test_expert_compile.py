@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 
 from layers.moe import MoE
 from parallel.mesh import make_mesh, state_shardings
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.tensor import residual_spec
 from train.config import MeshConfig, load_config
 from train.planning.memory import CPU_OPTIONS
@@ -40,7 +40,7 @@ def compile_block(length: int, context: int, chunk: int = 0):
         y, stats = nnx.merge(graphdef, state)(x)
         return jnp.sum(y.astype(jnp.float32)) + stats["dropped"]
 
-    with jax.set_mesh(mesh), use_plan(Plan(expert_chunk=chunk)):
+    with jax.set_mesh(mesh), use_parallelism(Parallelism(expert_chunk=chunk)):
         x = jax.ShapeDtypeStruct((1, length, m.embed_dim), jnp.bfloat16, sharding=NamedSharding(mesh, residual_spec()))
         shardings = nnx.state(state_shardings(state, mesh))
         state = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), state, shardings)

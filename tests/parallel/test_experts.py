@@ -17,15 +17,15 @@ from jax.sharding import NamedSharding, PartitionSpec
 from layers.moe import MoE
 from parallel.experts import capacity, expert_axes, ragged_as_capacity, ragged_layout, receive_rows
 from parallel.mesh import MeshError, make_mesh, state_shardings
-from parallel.plan import Plan, use_plan
-from parallel.planning import expert_dispatch
+from parallel.parallelism import Parallelism, use_parallelism
+from parallel.settings import expert_dispatch
 from parallel.tensor import residual_spec
 from train.config import MeshConfig, ParallelConfig
 
 EMBED, MLP, EXPERTS, K = 16, 8, 8, 2
 BATCH, LENGTH = 8, 16
 DROPLESS = EXPERTS / K  # capacity factor whose buffers hold every assignment of a device
-DROPLESS_PLAN = Plan(expert_capacity=DROPLESS)
+DROPLESS_PLAN = Parallelism(expert_capacity=DROPLESS)
 
 
 def make_moe(score: str) -> MoE:
@@ -67,7 +67,7 @@ def run(
     moe: MoE,
     x,
     mesh_config: MeshConfig | None = None,
-    plan: Plan = Plan(expert_capacity=DROPLESS),
+    parallelism: Parallelism = Parallelism(expert_capacity=DROPLESS),
     x_spec: PartitionSpec | None = None,
 ):
     """(y, counts, dropped, d loss / d x, d loss / d params, router probabilities summed per expert) of the MoE on
@@ -81,7 +81,7 @@ def run(
         return jnp.sum(y * cotangent) + jnp.sum(stats["probabilities"] * jnp.arange(EXPERTS)), (y, stats)
 
     step = jax.grad(forward, argnums=(0, 1), has_aux=True)
-    with use_plan(plan):
+    with use_parallelism(parallelism):
         if mesh_config is None:
             (grad_state, grad_x), (y, stats) = jax.jit(step)(state, x)
         else:
@@ -145,8 +145,8 @@ CAPACITY_CASES = (
 
 @pytest.mark.parametrize("name, score", CAPACITY_CASES)
 def test_capacity_dispatch_equals_one_device(one_device, name, score):
-    mesh_config, plan = MESHES[name]
-    y, counts, dropped, grad_x, grads, probabilities = run(make_moe(score), tokens(), mesh_config, plan)
+    mesh_config, parallelism = MESHES[name]
+    y, counts, dropped, grad_x, grads, probabilities = run(make_moe(score), tokens(), mesh_config, parallelism)
     ref_y, ref_counts, _, ref_grad_x, ref_grads, ref_probabilities = one_device(score)
     assert_close(y, ref_y, "output")
     np.testing.assert_array_equal(counts, ref_counts)
@@ -173,13 +173,16 @@ def test_ragged_dispatch_sums_no_rows_gradient_over_devices():
     """The real ragged_all_to_all (traced: XLA:CPU cannot compile it; the emulation above has its own typing) types its
     result by its output buffer: from an invariant buffer, JAX summed the received rows' gradient over every device
     (psum_invariant) before sending it home. No sum in the gradient has the shape of a receive buffer."""
-    mesh_config, plan = MESHES["expert2-context4"]
+    mesh_config, parallelism = MESHES["expert2-context4"]
     graphdef, state = nnx.split(make_moe("sigmoid"))
 
     def loss(state, x):
         return jnp.sum(nnx.merge(graphdef, state)(x)[0])
 
-    with use_plan(dataclasses.replace(plan, expert_dispatch="ragged")), jax.set_mesh(make_mesh(mesh_config)):
+    with (
+        use_parallelism(dataclasses.replace(parallelism, expert_dispatch="ragged")),
+        jax.set_mesh(make_mesh(mesh_config)),
+    ):
         jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, tokens()))
     buffers = set(re.findall(r"(\w+\[[\d,]+\])(?:\{[^}]*\})? = ragged_all_to_all\[", jaxpr))
     summed = set(re.findall(r"(\w+\[[\d,]+\])(?:\{[^}]*\})? = psum(?:_invariant)?\[", jaxpr))
@@ -219,7 +222,7 @@ def test_capacity_drops_equal_numpy_reference():
     moe = make_moe("sigmoid")
     moe.shared = None
     x = tokens()
-    y, counts, dropped, *_ = run(moe, x, MeshConfig(fsdp=1, context=8), Plan(expert_capacity=0.5))
+    y, counts, dropped, *_ = run(moe, x, MeshConfig(fsdp=1, context=8), Parallelism(expert_capacity=0.5))
     expected, expected_dropped = numpy_capacity_reference(moe, np.asarray(x, np.float64), 8, 0.5)
     assert expected_dropped > 0 and dropped == expected_dropped
     assert counts.sum() == BATCH * LENGTH * K
@@ -259,10 +262,10 @@ def emulated_ragged_all_to_all(
 )
 def test_ragged_dispatch_equals_one_device(monkeypatch, one_device, name, score):
     monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
-    mesh_config, plan = MESHES[name]
-    plan = dataclasses.replace(plan, expert_dispatch="ragged")
+    mesh_config, parallelism = MESHES[name]
+    parallelism = dataclasses.replace(parallelism, expert_dispatch="ragged")
     # factor = devices: a receive buffer of every device's assignments; EXPERTS / K >= 4 expert-parallel devices
-    y, counts, dropped, grad_x, grads, probabilities = run(make_moe(score), tokens(), mesh_config, plan)
+    y, counts, dropped, grad_x, grads, probabilities = run(make_moe(score), tokens(), mesh_config, parallelism)
     ref_y, ref_counts, _, ref_grad_x, ref_grads, ref_probabilities = one_device(score)
     assert_close(y, ref_y, "output")
     np.testing.assert_array_equal(counts, ref_counts)
@@ -347,7 +350,7 @@ def test_a_shape_that_does_not_split_runs_dropless_on_every_token():
     """E.g. sampling: 3 rows of 7 tokens on expert=2 x context=4; the partitioner places a dropless MoE."""
     moe = make_moe("sigmoid")
     x = tokens()[:3, :7]
-    small = Plan(expert_capacity=0.1)  # a capacity this small would drop
+    small = Parallelism(expert_capacity=0.1)  # a capacity this small would drop
     y, counts, dropped, *_ = run(moe, x, MeshConfig(fsdp=1, expert=2, context=4), small, x_spec=PartitionSpec())
     ref_y, ref_counts, *_ = run(moe, x)
     assert_close(y, ref_y, "output")
@@ -364,8 +367,8 @@ def test_kernels_are_stored_split_over_the_expert_axes():
 
 @pytest.mark.parametrize("n, k, experts, sources", [(1024, 8, 256, 16), (4096, 8, 128, 16), (2048, 4, 32, 8)])
 def test_a_cpu_plan_of_the_ragged_dispatch_holds_its_buffers(n, k, experts, sources):
-    """Dropless and with a factor, the capacity dispatch that stands in for the ragged one in a CPU plan receives as
-    many rows per device: experts x C = the ragged receive buffer."""
+    """Dropless and with a factor, the capacity dispatch that stands in for the ragged one in a CPU memory plan receives
+    as many rows per device: experts x C = the ragged receive buffer."""
     for factor in (math.inf, 1.25):
         stand_in = capacity(n, k, experts, ragged_as_capacity(factor, k, experts, sources))
         assert experts * stand_in == pytest.approx(receive_rows(n, k, factor, sources, experts // sources), rel=1e-3)

@@ -11,10 +11,10 @@ import pytest
 from parallel import experts, first_contact, kernels
 from parallel.kernels import pallas
 from parallel.mesh import make_mesh
-from parallel.plan import Plan
+from parallel.parallelism import Parallelism
 from train.config import MeshConfig
 
-PALLAS = Plan(kernel="pallas", interpret=True, platform="cpu")
+PALLAS = Parallelism(kernel="pallas", interpret=True, platform="cpu")
 DIMS = (4, 2, 32, 16)  # GQA, q-k and v head dims that differ
 
 
@@ -39,8 +39,8 @@ def broken(*args, **kwargs):
     raise RuntimeError("no kernel for this device")
 
 
-def check(plan, mesh=None, experts_=(0, 0)):
-    return first_contact.checked(plan, mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), dims=DIMS,
+def check(parallelism, mesh=None, experts_=(0, 0)):
+    return first_contact.checked(parallelism, mesh or make_mesh(MeshConfig(fsdp=1), jax.devices()[:1]), dims=DIMS,
                                  experts=experts_, dtype=jnp.bfloat16)  # fmt: skip
 
 
@@ -76,10 +76,10 @@ def test_ragged_dispatch_is_checked_against_capacity(monkeypatch, caplog):
     """XLA:CPU has no ragged all-to-all: the capacity dispatch stands in for a right ragged one, and a corrupted
     copy of it for a wrong one."""
     mesh = make_mesh(MeshConfig(fsdp=2, expert=2, context=2))
-    plan = Plan(platform="cpu", expert_dispatch="ragged", expert_capacity=8.0)
+    parallelism = Parallelism(platform="cpu", expert_dispatch="ragged", expert_capacity=8.0)
     monkeypatch.setattr(experts, "_ragged", experts._capacity)
     with caplog.at_level(logging.INFO):
-        assert check(plan, mesh, (8, 2)) == plan
+        assert check(parallelism, mesh, (8, 2)) == parallelism
     assert "ragged expert dispatch checked against the capacity dispatch" in caplog.text
 
     def wrong(*args):
@@ -88,5 +88,5 @@ def test_ragged_dispatch_is_checked_against_capacity(monkeypatch, caplog):
 
     monkeypatch.setattr(experts, "_ragged", wrong)
     with caplog.at_level(logging.WARNING):
-        assert check(plan, mesh, (8, 2)).expert_dispatch == "capacity"
+        assert check(parallelism, mesh, (8, 2)).expert_dispatch == "capacity"
     assert "ragged expert dispatch disagrees with the capacity dispatch on cpu (y differs" in caplog.text

@@ -10,7 +10,7 @@ import pytest
 
 import parallel
 from parallel.kernels import gated_delta
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import from_balanced, to_balanced
 from tests.parallel.attention_reference import packed_segments, relative_error
 from tests.parallel.gated_delta_reference import recurrence
@@ -108,10 +108,10 @@ def test_split_rows_equal_one_device(strategy, shards, layout, dtype=jnp.float32
     seg = jnp.asarray(rows)
     order = dict(layout=layout, axis=1)
     to_layout = lambda x: to_balanced(x, layout_shards, **order)
-    plan = Plan(strategy=strategy, axis=axis, layout=layout, mesh=mesh)
+    parallelism = Parallelism(strategy=strategy, axis=axis, layout=layout, mesh=mesh)
 
     def split(q, k, v, g, beta, weight):
-        with use_plan(plan):
+        with use_parallelism(parallelism):
             (v,) = parallel.causal_conv((to_layout(v),), (weight,), to_layout(seg))
             out = parallel.gated_delta(*map(to_layout, (q, k)), v, *map(to_layout, (g, beta, seg)), chunk=8)
         return from_balanced(out, layout_shards, **order)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 import parallel
 from bench.collectives import sent, total_bytes
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import layout_index
 from parallel.segments import INT32_MAX
 from parallel.strategies import halo
@@ -77,7 +77,7 @@ def compiled_program(strategy: str, window: int | None) -> str:
         out = parallel.attention(q, k, v, window=window, strategy=strategy, axis="context", layout="dual_chunk")
         return jnp.sum(out)
 
-    with jax.set_mesh(mesh), use_plan(Plan(block_q=32, block_kv=32)):
+    with jax.set_mesh(mesh), use_parallelism(Parallelism(block_q=32, block_kv=32)):
         return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile().as_text()
 
 

@@ -12,7 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import parallel
 from parallel.latent import expand
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import from_balanced, to_balanced
 from parallel.tensor import Tokens
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
@@ -65,7 +65,7 @@ def test_latent_ring_matches_reference(strategy, ring, ulysses, layout):
         return out, pull(w)
 
     packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=ring))
-    with jax.set_mesh(mesh), use_plan(Plan(block_q=8, block_kv=8)):
+    with jax.set_mesh(mesh), use_parallelism(Parallelism(block_q=8, block_kv=8)):
         lowered = jax.jit(run, in_shardings=NamedSharding(mesh, PartitionSpec())).lower(q, rows, kv_b, packed)
         program, compiled = lowered.as_text(), lowered.compile()
         results = [(seg, compiled(q, rows, kv_b, seg)) for seg in (packed, jnp.ones((BATCH, LENGTH), jnp.int32))]

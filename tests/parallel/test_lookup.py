@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding
 
 from parallel.lookup import lookup
 from parallel.mesh import batch_sharding, logical_spec, make_mesh
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.tensor import residual_spec
 from train.config import MeshConfig
 
@@ -43,12 +43,12 @@ def value_and_table_grad(table, tokens, cotangent):
 def on_mesh(shape, scatter, table, tokens, cotangent):
     """value_and_table_grad compiled on the mesh `shape`, the table placed as a parameter and the tokens as a batch;
     -> (value, gradient, the compiled program's text)."""
-    with use_plan(Plan(scatter=scatter)):
+    with use_parallelism(Parallelism(scatter=scatter)):
         mesh = make_mesh(MeshConfig(**{"fsdp": 1, **shape}))
         with jax.set_mesh(mesh):
             table_sharding = NamedSharding(mesh, logical_spec(("vocab", "embed"), mesh, table.shape))
             shardings = (table_sharding, batch_sharding(mesh), NamedSharding(mesh, residual_spec()))
-            # a fresh function: jit's cache does not know the plan
+            # a fresh function: jit's cache does not know the parallelism
             step = jax.jit(lambda *args: value_and_table_grad(*args), in_shardings=shardings)
             compiled = step.lower(table, tokens, cotangent).compile()
             value, grad = compiled(table, tokens, cotangent)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from parallel.kernels import Options, Tokens
-from parallel.kernels.sparse import attention
+from parallel.kernels.selected_attention import attention
 from parallel.kernels.top_k import Selection, index_scores, top_k
 from parallel.segments import visible_pairs
 from tests.parallel.attention_reference import packed_segments, relative_error
@@ -38,7 +38,7 @@ def dense_mask(segment_ids, index, window):
     return visible_pairs(side(2), side(1), causal=True, window=window)
 
 
-def index_inputs(seed=0, heads=3, dim=8):
+def indexer_inputs(seed=0, heads=3, dim=8):
     rng = np.random.default_rng(seed)
     return normal(rng, BATCH, LENGTH, heads, dim), normal(rng, BATCH, LENGTH, heads), normal(rng, BATCH, LENGTH, dim)
 
@@ -47,7 +47,7 @@ def index_inputs(seed=0, heads=3, dim=8):
 def test_top_k_matches_dense_top_k(layout):
     """Counts below and above what a query sees; blocks that divide the length and blocks that do not."""
     segment_ids, index, window = layouts()[layout]
-    q, weights, k = index_inputs()
+    q, weights, k = indexer_inputs()
     tokens = Tokens(jnp.asarray(segment_ids), jnp.asarray(index, jnp.int32))
     mask = dense_mask(tokens.segment_ids, tokens.index, window)
     dense = jnp.where(mask, index_scores(q, weights, k), -jnp.inf)
@@ -60,10 +60,10 @@ def test_top_k_matches_dense_top_k(layout):
         scores = np.asarray(selection.scores)
         assert np.array_equal(np.isinf(scores), np.isinf(expected)), (count, block_q)
         np.testing.assert_allclose(np.where(np.isinf(scores), 0, scores), np.where(np.isinf(expected), 0, expected))
-        chosen = np.take_along_axis(np.asarray(dense), np.asarray(selection.indices), -1)
+        chosen = np.take_along_axis(np.asarray(dense), np.asarray(selection.selected), -1)
         np.testing.assert_allclose(chosen[np.isfinite(scores)], scores[np.isfinite(scores)], rtol=1e-6)
-        indices, valid = np.asarray(selection.indices).reshape(-1, count), np.isfinite(scores).reshape(-1, count)
-        assert all(len(set(row[seen])) == seen.sum() for row, seen in zip(indices, valid, strict=True))  # no key twice
+        selected, valid = np.asarray(selection.selected).reshape(-1, count), np.isfinite(scores).reshape(-1, count)
+        assert all(len(set(row[seen])) == seen.sum() for row, seen in zip(selected, valid, strict=True))  # no key twice
 
 
 def test_equal_scores_select_the_earliest_keys_in_any_layout():
@@ -79,7 +79,7 @@ def test_equal_scores_select_the_earliest_keys_in_any_layout():
         laid = lambda x, index=index: x[:, index]
         options = Options(causal=True, block_q=8, block_kv=8)
         selection = top_k(laid(q), laid(weights), laid(k), tokens, tokens, count=5, options=options)
-        globals_ = np.where(selection.valid, index[np.asarray(selection.indices)], -1)[0]
+        globals_ = np.where(selection.valid, index[np.asarray(selection.selected)], -1)[0]
         chosen[name] = {int(query): sorted(row) for query, row in zip(index, globals_.tolist(), strict=True)}
     assert chosen["original"] == chosen["reordered"]
     dense = np.asarray(index_scores(q, weights, k))[0]
@@ -90,7 +90,7 @@ def test_equal_scores_select_the_earliest_keys_in_any_layout():
 
 
 def test_top_k_refuses_a_count_beyond_the_keys():
-    q, weights, k = index_inputs()
+    q, weights, k = indexer_inputs()
     with pytest.raises(ValueError, match="top-k count 41: give 1 to the 40 keys"):
         top_k(q, weights, k, Tokens(jnp.ones((BATCH, LENGTH), jnp.int32)), Tokens(), count=41, options=Options())
 
@@ -114,9 +114,9 @@ def test_sparse_attention_matches_masked_dense_attention(count, heads, kv_heads,
     gradients within 2e-5."""
     segment_ids, index, _ = layouts()["packed"]
     tokens = Tokens(jnp.asarray(segment_ids), jnp.asarray(index, jnp.int32))
-    selection = top_k(*index_inputs(seed=1), tokens, tokens, count=count, options=Options(block_q=16, block_kv=16))
+    selection = top_k(*indexer_inputs(seed=1), tokens, tokens, count=count, options=Options(block_q=16, block_kv=16))
     rows = jnp.arange(BATCH)[:, None, None], jnp.arange(LENGTH)[None, :, None]
-    allowed = jnp.zeros((BATCH, LENGTH, LENGTH), bool).at[(*rows, selection.indices)].max(selection.valid)
+    allowed = jnp.zeros((BATCH, LENGTH, LENGTH), bool).at[(*rows, selection.selected)].max(selection.valid)
     rng = np.random.default_rng(2)
     q, k = normal(rng, BATCH, LENGTH, heads, dqk), normal(rng, BATCH, LENGTH, kv_heads, dqk)
     v, cotangent = normal(rng, BATCH, LENGTH, kv_heads, dv), normal(rng, BATCH, LENGTH, heads, dv)
@@ -128,7 +128,7 @@ def test_sparse_attention_matches_masked_dense_attention(count, heads, kv_heads,
 
     def dense(q, k, v):
         out, weights = dense_attention(q, k, v, allowed, scale)
-        return jnp.sum(out * cotangent), (out, jnp.take_along_axis(weights, selection.indices, -1))
+        return jnp.sum(out * cotangent), (out, jnp.take_along_axis(weights, selection.selected, -1))
 
     grads, (out, weights) = jax.jit(jax.grad(sparse, (0, 1, 2), has_aux=True))(q, k, v)
     expected_grads, (expected_out, expected_weights) = jax.grad(dense, (0, 1, 2), has_aux=True)(q, k, v)
@@ -143,7 +143,7 @@ def test_selection_of_every_visible_key_is_dense_attention():
     """count = the whole row: sparse attention is causal attention within documents."""
     segment_ids, index, _ = layouts()["packed"]
     tokens = Tokens(jnp.asarray(segment_ids), jnp.asarray(index, jnp.int32))
-    selection = top_k(*index_inputs(), tokens, tokens, count=LENGTH, options=Options(block_q=8, block_kv=8))
+    selection = top_k(*indexer_inputs(), tokens, tokens, count=LENGTH, options=Options(block_q=8, block_kv=8))
     rng = np.random.default_rng(4)
     q, k, v = (normal(rng, BATCH, LENGTH, 2, 8) for _ in range(3))
     out, _ = attention(q, k, v, Selection(*selection), scale=0.5, block_q=8)
@@ -156,7 +156,7 @@ def test_values_that_are_the_keys_first_features_match_them_given_apart():
     the keys' slice, in out, the head-summed probabilities and the gradients of q and k."""
     segment_ids, index, _ = layouts()["packed"]
     tokens = Tokens(jnp.asarray(segment_ids), jnp.asarray(index, jnp.int32))
-    selection = top_k(*index_inputs(seed=3), tokens, tokens, count=6, options=Options(block_q=16, block_kv=16))
+    selection = top_k(*indexer_inputs(seed=3), tokens, tokens, count=6, options=Options(block_q=16, block_kv=16))
     rng = np.random.default_rng(6)
     q, k, cotangent = (
         normal(rng, BATCH, LENGTH, 4, 24),

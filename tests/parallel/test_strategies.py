@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import Mesh
 
 import parallel
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import from_balanced, to_balanced
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 from tests.parallel.cudnn_standin import serve_cudnn_with_standin
@@ -76,8 +76,8 @@ def check_strategy(
 
     packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=shards))
     unpacked = None if unpacked_as_none else jnp.ones((BATCH, LENGTH), jnp.int32)
-    plan = Plan(block_q=8, block_kv=8, kernel=kernel, interpret=kernel == "pallas")
-    with jax.set_mesh(mesh), use_plan(plan):
+    parallelism = Parallelism(block_q=8, block_kv=8, kernel=kernel, interpret=kernel == "pallas")
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         run = jax.jit(run_all)
         runs = [(seg, run(data, seg)) for seg in (packed, unpacked)]
     for seg, results in runs:
@@ -177,8 +177,8 @@ def test_ring_sends_dkv_in_the_compute_dtype():
     grads_f32 = [f"tensor<{BATCH}x{LENGTH // shards}x{kv_heads}x{d}xf32>" for d in (dqk, dv)]
     results = {}
     for dtype in ("float32", "compute"):
-        plan = Plan(block_q=8, block_kv=8, ring_grad_dtype=dtype)
-        with jax.set_mesh(mesh), use_plan(plan):
+        parallelism = Parallelism(block_q=8, block_kv=8, ring_grad_dtype=dtype)
+        with jax.set_mesh(mesh), use_parallelism(parallelism):
             fn = jax.jit(jax.grad(grads, argnums=(0, 1, 2)))
             program = fn.lower(q, k, v).as_text()
             results[dtype] = fn(q, k, v)
@@ -207,8 +207,8 @@ def test_ring_under_cudnn_in_a_rematerialised_layer_scan_keeps_nothing_per_step(
 
         return jnp.sum(jax.lax.scan(layer, q, None, length=2)[0])
 
-    plan = Plan(block_q=8, block_kv=8, kernel="cudnn", layout="dual_chunk")
-    with jax.set_mesh(mesh), use_plan(plan):
+    parallelism = Parallelism(block_q=8, block_kv=8, kernel="cudnn", layout="dual_chunk")
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         program = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v).as_text()
     steps = shards - 2  # the ring's scan: the first and the last step are peeled off
     stacked = re.findall(rf"tensor<{steps}x{BATCH}x\d+x{heads}x\d+x\w+>", program)

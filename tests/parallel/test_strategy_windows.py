@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import parallel
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import from_balanced, to_balanced
 from tests.parallel.attention_reference import packed_segments, reference, relative_error
 from tests.parallel.cudnn_standin import serve_cudnn_with_standin
@@ -55,8 +55,8 @@ def check_windows(strategy, shards, layout, kernel="blockwise", windows=None):
 
     # One compile for all windows, or on JAX 0.10 one per window: XLA:CPU runs a program's independent parts at
     # once, and there two windows' rings in one program could exchange their pieces (wrong gradients, now and then).
-    plan = Plan(block_q=8, block_kv=8, kernel=kernel, interpret=kernel == "pallas")
-    with jax.set_mesh(mesh), use_plan(plan):
+    parallelism = Parallelism(block_q=8, block_kv=8, kernel=kernel, interpret=kernel == "pallas")
+    with jax.set_mesh(mesh), use_parallelism(parallelism):
         if jax.__version_info__ < (0, 11):
             results = [jax.jit(functools.partial(grads, window))(q, k, v, s) for window in windows]
         else:

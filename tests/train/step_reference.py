@@ -1,7 +1,8 @@
 """One train step's loss and gradients on packed rows, on any mesh, for comparing parallel layouts with one device.
 
 `initial_state(model)` builds the host state once; `first_step(...)` runs the step as the training loop would
-(plan from the parallel config, batch reordered on the host and sharded) with an optimizer that keeps the gradients.
+(parallelism from the parallel config, batch reordered on the host and sharded) with an optimizer that keeps the
+gradients.
 """
 
 import jax
@@ -11,7 +12,7 @@ import optax
 from flax import nnx
 
 from parallel.mesh import batch_sharding, make_mesh
-from parallel.planning import check_context, make_plan, to_layout
+from parallel.settings import check_context, make_parallelism, to_layout
 from train.config import ComputeConfig, MeshConfig, ModelConfig, ParallelConfig
 from train.state import TrainState, abstract_state, create_state
 from train.step import make_eval_step, make_train_step
@@ -76,11 +77,11 @@ def first_step(
     would run it."""
     mesh = make_mesh(mesh_config, devices)
     check_context(parallel_config, mesh.shape, seq_len=LENGTH, num_heads=model.num_heads)
-    plan = make_plan(parallel_config, mesh.shape)
+    parallelism = make_parallelism(parallel_config, mesh.shape)
     graphdef, _, shardings = abstract_state(model, keep_grads(), mesh, compute=COMPUTE)
     state = TrainState(graphdef, jax.device_put(host_state, shardings), shardings)
-    step = make_train_step(state, mesh, chunk_size=32, accum_steps=1, plan=plan)
-    batch = to_layout((make_batch or packed_batch)(model.vocab_size), plan, mesh.shape["context"])
+    step = make_train_step(state, mesh, chunk_size=32, accum_steps=1, parallelism=parallelism)
+    batch = to_layout((make_batch or packed_batch)(model.vocab_size), parallelism, mesh.shape["context"])
     with jax.set_mesh(mesh):
         new_state, metrics = step(state.state, jax.device_put(batch, batch_sharding(mesh)))
     grads = jax.tree_util.tree_leaves_with_path(jax.device_get(new_state[1]["opt_state"]))
@@ -103,11 +104,11 @@ def eval_sums(
 ):
     """(loss sums, token counts), each [1 + len(buckets)], of the eval step on `packed_batch()` as the loop runs it."""
     mesh = make_mesh(mesh_config, devices)
-    plan = make_plan(parallel_config, mesh.shape)
+    parallelism = make_parallelism(parallel_config, mesh.shape)
     graphdef, _, shardings = abstract_state(model, keep_grads(), mesh, compute=COMPUTE)
     state = TrainState(graphdef, jax.device_put(host_state, shardings), shardings)
-    step = make_eval_step(state, mesh, chunk_size=32, plan=plan, buckets=buckets)
-    batch = to_layout(packed_batch(model.vocab_size), plan, mesh.shape["context"])
+    step = make_eval_step(state, mesh, chunk_size=32, parallelism=parallelism, buckets=buckets)
+    batch = to_layout(packed_batch(model.vocab_size), parallelism, mesh.shape["context"])
     with jax.set_mesh(mesh):
         sums, counts = step(state.state, jax.device_put(batch, batch_sharding(mesh)))
     return np.asarray(sums), np.asarray(counts)

@@ -13,7 +13,7 @@ from parallel import first_contact
 from parallel.mesh import make_mesh
 from tests.train.tiny_run import MODEL, TINY
 from train.config import load_config
-from train.planning import run_plan
+from train.planning import run_parallelism
 
 RING = [*MODEL, "data.seq_len=64", "mesh.context=4", "parallel.context_strategy=ring"]
 
@@ -47,6 +47,6 @@ def test_a_run_names_what_it_compiles_before_first_contact(monkeypatch, caplog):
     monkeypatch.setattr(first_contact, "checked", crash)
     config = load_config(TINY, RING)
     with caplog.at_level(logging.INFO), pytest.raises(PlantedCrash):
-        run_plan.run_plan(config, make_mesh(config.mesh, jax.devices()[:4]))
+        run_parallelism.run_parallelism(config, make_mesh(config.mesh, jax.devices()[:4]))
     line = next(record.getMessage() for record in caplog.records if "compiling for" in record.getMessage())
     assert all(part in line for part in expected(4)), line

@@ -16,7 +16,7 @@ import models
 from layers import moe, rope
 from models import dtypes, remat
 from parallel import experts, kernels, reorder, strategies
-from parallel.plan import RING_GRAD_DTYPES
+from parallel.parallelism import RING_GRAD_DTYPES
 from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config, to_dict
 from train.data import files, packing, record
 from train.loop import check_run_directory

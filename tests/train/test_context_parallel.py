@@ -1,6 +1,6 @@
 """Context parallelism from the run config: a ring run over 8 devices logs the losses of a one-context-device
 run; every strategy's training step gives the loss and gradients of context=1 on packed rows with padding;
-the plan and host reorder follow the config; sizes that do not fit stop with an error naming key and value."""
+the parallelism and host reorder follow the config; sizes that do not fit stop with an error naming key and value."""
 
 import dataclasses
 import json
@@ -13,9 +13,9 @@ import pytest
 
 from parallel import targets
 from parallel.mesh import MeshError
-from parallel.plan import Plan
-from parallel.planning import check_context, make_plan, to_layout
+from parallel.parallelism import Parallelism
 from parallel.reorder import from_balanced
+from parallel.settings import check_context, make_parallelism, to_layout
 from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import (
     LENGTH,
@@ -89,7 +89,7 @@ def test_ring_run_over_8_devices_logs_the_losses_of_one_context_device(tmp_path,
     for key in ("eval_loss", "eval_loss/pos_0_8", "eval_loss/pos_8_32", "eval_loss/pos_32_64", *needles):
         np.testing.assert_allclose(ring[-1][key], one[-1][key], rtol=1e-5)
     assert ring[-1]["loss"] < ring[0]["loss"] - 0.1, ring
-    assert "--- sample ---" in capfd.readouterr().out  # sampling after a context-parallel run (no plan)
+    assert "--- sample ---" in capfd.readouterr().out  # sampling after a context-parallel run (no parallelism)
 
 
 @pytest.fixture(scope="module")
@@ -144,12 +144,12 @@ def test_eval_loss_by_position_equals_direct_token_losses(host_state, mesh_confi
         (
             ParallelConfig(context_strategy="ring"),
             {"context": 4},
-            Plan(strategy="ring", axis="context", layout="dual_chunk", stripe=1, platform="cpu"),
+            Parallelism(strategy="ring", axis="context", layout="dual_chunk", stripe=1, platform="cpu"),
         ),
         (
             ParallelConfig(context_strategy="usp", balance_layout="striped", stripe=4, block_q=64, block_kv=128),
             {"context": 2, "ulysses": 4},
-            Plan(
+            Parallelism(
                 strategy="usp",
                 axis=("context", "ulysses"),
                 layout="striped",
@@ -162,51 +162,51 @@ def test_eval_loss_by_position_equals_direct_token_losses(host_state, mesh_confi
         (
             ParallelConfig(context_strategy="ring", load_balance=False),
             {"context": 4},
-            Plan(strategy="ring", layout="contiguous", platform="cpu"),
+            Parallelism(strategy="ring", layout="contiguous", platform="cpu"),
         ),
         (
             ParallelConfig(context_strategy="usp"),
             {"context": 1, "ulysses": 8},
-            Plan(strategy="usp", axis=("context", "ulysses"), layout="contiguous", platform="cpu"),
+            Parallelism(strategy="usp", axis=("context", "ulysses"), layout="contiguous", platform="cpu"),
         ),
-        (ParallelConfig(), {"context": 1}, Plan(platform="cpu")),
+        (ParallelConfig(), {"context": 1}, Parallelism(platform="cpu")),
     ],
 )
-def test_plan_from_config(parallel_config, sizes, expected):
-    assert make_plan(parallel_config, sizes) == expected
+def test_parallelism_from_config(parallel_config, sizes, expected):
+    assert make_parallelism(parallel_config, sizes) == expected
 
 
 def test_attention_kernel_by_platform():
     """Resolved for the mesh's devices (platform and CUDA compute capability), not for the compiling machine."""
     hopper, ampere = (types.SimpleNamespace(platform="gpu", compute_capability=c) for c in ("9.0", "8.0"))
-    assert make_plan(ParallelConfig(), {}).kernel == "blockwise"
-    assert make_plan(ParallelConfig(), {}, hopper).kernel == "cudnn"
-    assert make_plan(ParallelConfig(), {}, ampere).kernel == "pallas"
-    plan = make_plan(ParallelConfig(attention_kernel="pallas"), {}, hopper)
-    assert (plan.kernel, plan.platform, plan.capability) == ("pallas", "gpu", "9.0")
+    assert make_parallelism(ParallelConfig(), {}).kernel == "blockwise"
+    assert make_parallelism(ParallelConfig(), {}, hopper).kernel == "cudnn"
+    assert make_parallelism(ParallelConfig(), {}, ampere).kernel == "pallas"
+    parallelism = make_parallelism(ParallelConfig(attention_kernel="pallas"), {}, hopper)
+    assert (parallelism.kernel, parallelism.platform, parallelism.capability) == ("pallas", "gpu", "9.0")
     with pytest.raises(MeshError, match=r"attention_kernel='pallas': attention kernel 'pallas' compiles for GPU"):
-        make_plan(ParallelConfig(attention_kernel="pallas"), {})
-    assert make_plan(ParallelConfig(attention_kernel="cudnn"), {}, hopper).kernel == "cudnn"
+        make_parallelism(ParallelConfig(attention_kernel="pallas"), {})
+    assert make_parallelism(ParallelConfig(attention_kernel="cudnn"), {}, hopper).kernel == "cudnn"
     with pytest.raises(MeshError, match=r"attention_kernel='cudnn': .* compute capability 9.0 .*, not cpu"):
-        make_plan(ParallelConfig(attention_kernel="cudnn"), {})
+        make_parallelism(ParallelConfig(attention_kernel="cudnn"), {})
     with pytest.raises(MeshError, match=r"'cudnn' runs on GPUs .*, not a GPU of compute capability 8.0"):
-        make_plan(ParallelConfig(attention_kernel="cudnn"), {}, ampere)
+        make_parallelism(ParallelConfig(attention_kernel="cudnn"), {}, ampere)
 
 
-def test_ring_grad_dtype_reaches_the_plan():
-    assert make_plan(ParallelConfig(), {}).ring_grad_dtype == "float32"
-    assert make_plan(ParallelConfig(ring_grad_dtype="compute"), {}).ring_grad_dtype == "compute"
+def test_ring_grad_dtype_reaches_the_parallelism():
+    assert make_parallelism(ParallelConfig(), {}).ring_grad_dtype == "float32"
+    assert make_parallelism(ParallelConfig(ring_grad_dtype="compute"), {}).ring_grad_dtype == "compute"
 
 
 def test_host_reorder_is_undone_by_from_balanced():
     batch = packed_batch(MODEL.vocab_size)
-    plan = Plan(strategy="ring", layout="dual_chunk")
-    balanced = to_layout(batch, plan, 4)
+    parallelism = Parallelism(strategy="ring", layout="dual_chunk")
+    balanced = to_layout(batch, parallelism, 4)
     assert not np.array_equal(balanced["positions"], batch["positions"])
     for key, value in batch.items():
         assert balanced[key].dtype == value.dtype
         np.testing.assert_array_equal(from_balanced(balanced[key], 4, axis=1, layout="dual_chunk"), value)
-    contiguous = to_layout(batch, Plan(), 4)
+    contiguous = to_layout(batch, Parallelism(), 4)
     assert all(contiguous[key] is value for key, value in batch.items())
 
 

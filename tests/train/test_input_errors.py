@@ -15,7 +15,7 @@ import models
 from models.hf import save_pretrained
 from models.hf.reader import SafetensorsError, SafetensorsFile
 from parallel.mesh import MeshError
-from parallel.planning import check_tensor
+from parallel.settings import check_tensor
 from tests.train.test_config import fake_import
 from train import hf
 from train.__main__ import main

@@ -14,7 +14,7 @@ import train.__main__ as cli
 import train.planning.memory
 from models.remat import POLICIES, RematError, check_policy, remat
 from parallel.mesh import batch_sharding, make_mesh
-from parallel.planning import make_plan
+from parallel.settings import make_parallelism
 from tests.train import tiny_run
 from train.__main__ import DOES_NOT_FIT, main
 from train.config import ConfigError, load_config
@@ -77,7 +77,7 @@ def real_step(config):
             mesh,
             chunk_size=config.compute.loss_chunk_size,
             accum_steps=config.train.grad_accum_steps,
-            plan=make_plan(config.parallel, mesh.shape),
+            parallelism=make_parallelism(config.parallel, mesh.shape),
         )
         return state.state, step.lower(state.state, batch).compile().memory_analysis()
 

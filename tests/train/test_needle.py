@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from parallel.mesh import make_mesh
-from parallel.planning import make_plan
+from parallel.settings import make_parallelism
 from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import COMPUTE, initial_state, keep_grads
 from train.config import MeshConfig, ParallelConfig
@@ -83,7 +83,7 @@ def predictor(host_state, mesh_config, parallel_config, devices):
     mesh = make_mesh(mesh_config, jax.devices()[:devices])
     graphdef, abstract = abstract_model(MODEL, mesh, compute=COMPUTE)
     state = jax.device_put(host_state[0], jax.tree.map(lambda a: a.sharding, abstract))
-    return functools.partial(model_predictor(graphdef, mesh, make_plan(parallel_config, mesh.shape)), state)
+    return functools.partial(model_predictor(graphdef, mesh, make_parallelism(parallel_config, mesh.shape)), state)
 
 
 def test_model_predictions_are_the_argmax_of_the_full_logits_on_any_mesh(host_state):

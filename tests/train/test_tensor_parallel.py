@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 import models.deepseek
 import models.llama
 from parallel.mesh import make_mesh, state_shardings
-from parallel.plan import Plan, use_plan
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.tensor import residual_spec
 from tests.tiny_models import TINY_LLAMA
 from tests.train.step_reference import assert_same_step, first_step, initial_state
@@ -158,7 +158,7 @@ def test_mla_rotates_its_latent_on_the_ring():
     """Under ring over context 4 with tensor 2 scattered, every collective-permute of MLA's forward and backward
     carries the latent rows (kv_lora + rope features of a piece's tokens, forward) or their gradient, never K/V."""
     attention = models.deepseek.Block(DEEPSEEK, moe=False, rngs=nnx.Rngs(0)).attn
-    with use_plan(Plan(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8)):
+    with use_parallelism(Parallelism(strategy="ring", layout="dual_chunk", block_q=8, block_kv=8)):
         text = compiled_block(attention, grad=True, mesh_config=MeshConfig(fsdp=1, context=4, tensor=2))
     moved = {
         tuple(int(d) for d in dims.split(","))

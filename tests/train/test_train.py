@@ -17,6 +17,7 @@ from flax import nnx
 from models.hf.convert import abstract_model
 from tests.train import tiny_run
 from tests.train.tiny_run import records
+from train import divergence
 from train.checkpoints.checkpoint import Checkpointer, restore_model_params
 from train.checkpoints.lock import run_directory_lock
 from train.config import ConfigError, load_config
@@ -26,7 +27,6 @@ from train.errors import CheckpointError, NonFiniteLoss
 from train.evaluate import main as evaluate_main
 from train.loop import run
 from train.needle import filler_tokens
-from train.process import divergence
 
 SMALL = [
     *tiny_run.SMALL,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from models.config import ComputeConfig, ModelConfig
+from models.dtypes import PARAM_DTYPES
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,9 @@ class MixtureComponent:
 FORMATS = ("auto", "text", "jsonl", "parquet")
 PACKINGS = ("concat", "first_fit")
 ON_CHANGE = ("refuse", "grown", "restart")
+# the values of optimizer.mu_dtype, as train/optimizer.py implements them: what AdamW's first moment is stored in;
+# param: the parameters' dtype (the second moment's, always)
+MU_DTYPES = ("param", *PARAM_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -164,7 +168,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class Config:
-    """A run: the model, how it computes, its data, optimizer, loop, checkpoints, mesh and parallel plan."""
+    """A run: the model, how it computes, its data, optimizer, loop, checkpoints, mesh and parallelism."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     compute: ComputeConfig = field(default_factory=ComputeConfig)

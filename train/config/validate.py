@@ -18,12 +18,11 @@ from models.dtypes import COMPUTE_DTYPES, PARAM_DTYPES
 from models.remat import POLICIES
 from parallel.kernels import KERNELS
 from parallel.mesh import MeshError, check_batch
-from parallel.plan import RING_GRAD_DTYPES
-from parallel.planning import EXPERT_DISPATCHES, check_context, check_tensor
+from parallel.parallelism import RING_GRAD_DTYPES
 from parallel.reorder import LAYOUTS
+from parallel.settings import EXPERT_DISPATCHES, check_context, check_tensor
 from parallel.strategies import STRATEGIES
-from train.config.schema import FORMATS, ON_CHANGE, PACKINGS, Config, MeshConfig
-from train.optimizer import MU_DTYPES
+from train.config.schema import FORMATS, MU_DTYPES, ON_CHANGE, PACKINGS, Config, MeshConfig
 
 # key -> the names its registry implements
 CHOICES = {

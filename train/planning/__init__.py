@@ -1,4 +1,4 @@
-"""Planning a run before it runs: the parallel plan a run traces with (run_plan.py), the per-device memory of the
+"""Planning a run before it runs: the parallelism a run traces with (run_parallelism.py), the per-device memory of the
 compiled step (memory.py), sizes as people write them (sizes.py), model FLOPs and the devices' peak rates
 (flops.py), and the speed estimate (speed.py) from the compiled program's text (hlo.py).
 

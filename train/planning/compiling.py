@@ -4,16 +4,16 @@ compile that crashes the process (no Python error, a signal) is reported with wh
 from __future__ import annotations
 
 from parallel import compat
-from parallel.plan import Plan
+from parallel.parallelism import Parallelism
 
 
-def compiling(plan: Plan, mesh) -> str:
+def compiling(parallelism: Parallelism, mesh) -> str:
     """'compiling for 8 gpu devices (NVIDIA H100 80GB HBM3), mesh context=4 fsdp=2, with jax 0.11.2, ...: context
     strategy ring (dual_chunk), attention kernel cudnn'."""
     device = mesh.devices.flat[0]
     axes = " ".join(f"{name}={size}" for name, size in mesh.shape.items() if size > 1) or "of one device"
-    layout = f" ({plan.layout})" if plan.strategy != "none" else ""
+    layout = f" ({parallelism.layout})" if parallelism.strategy != "none" else ""
     return (
         f"compiling for {mesh.size} {device.platform} device(s) ({device.device_kind}), mesh {axes}, with "
-        f"{compat.stack()}: context strategy {plan.strategy}{layout}, attention kernel {plan.kernel}"
+        f"{compat.stack()}: context strategy {parallelism.strategy}{layout}, attention kernel {parallelism.kernel}"
     )

@@ -22,7 +22,7 @@ from flax import nnx
 from models.remat import check_policy
 from parallel.experts import expert_axes, ragged_as_capacity
 from parallel.mesh import batch_sharding, make_mesh
-from parallel.planning import make_plan
+from parallel.settings import make_parallelism
 from train.config import Config, check_built_mesh
 from train.data.batch import BATCH_FIELDS
 from train.optimizer import make_optimizer
@@ -134,9 +134,9 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     graphdef, state, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
     batch = abstract_batch(config, mesh)
     with jax.set_mesh(mesh):
-        plan = make_plan(parallel_config, mesh.shape, device)
-        step = configured_train_step(TrainState(graphdef, state, shardings), mesh, config, plan)
-        log.info(compiling(plan, mesh))
+        parallelism = make_parallelism(parallel_config, mesh.shape, device)
+        step = configured_train_step(TrainState(graphdef, state, shardings), mesh, config, parallelism)
+        log.info(compiling(parallelism, mesh))
         start = time.perf_counter()
         compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else GPU_PLAN_OPTIONS)
         seconds = time.perf_counter() - start
@@ -157,8 +157,8 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
         devices=mesh.size,
         device_kind=device.device_kind,
         mesh={name: size for name, size in mesh.shape.items() if size > 1},
-        attention_kernel=plan.kernel,
-        expert_dispatch=plan.expert_dispatch if config.model.num_experts else "none",
+        attention_kernel=parallelism.kernel,
+        expert_dispatch=parallelism.expert_dispatch if config.model.num_experts else "none",
         expert_axes=expert_axes(mesh, config.model.num_experts) if config.model.num_experts else (),
         config=config,
         hosts=tuple(d.process_index for d in mesh.devices.flat),

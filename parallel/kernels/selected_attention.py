@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from parallel.kernels.blockwise import pad, padded_blocks
+from parallel.kernels.softmax import backward_delta, finish_lse, safe_shift
 from parallel.kernels.top_k import Selection
 
 
@@ -23,7 +24,7 @@ def attention(q, k, v, selection: Selection, *, scale: float, block_q: int = 64)
     without gradient, the indexer loss's target). A query with no selected key gets zeros. Differentiable in q, k and
     v."""
     values, v = (v, None) if isinstance(v, int) else (v.shape[-1], v)
-    out, weights, _ = _attention(q, k, v, selection.indices, selection.valid, scale, block_q, values)
+    out, weights, _ = _attention(q, k, v, selection.selected, selection.valid, scale, block_q, values)
     return out, lax.stop_gradient(weights)
 
 
@@ -40,31 +41,29 @@ def _probabilities(q_blk, k_sel, seen, scale, lse=None):
     s = jnp.einsum("qhgd,qchd->qhgc", q_blk, k_sel, preferred_element_type=jnp.float32) * scale
     s = jnp.where(seen[:, None, None], s, -jnp.inf)
     if lse is None:
-        top = jnp.max(s, -1)
-        top = jnp.where(jnp.isfinite(top), top, 0.0)
-        total = jnp.exp(s - top[..., None]).sum(-1)
-        lse = jnp.where(total > 0, top + jnp.log(jnp.where(total > 0, total, 1.0)), -jnp.inf)
-    return jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)[..., None]), lse
+        top = safe_shift(jnp.max(s, -1))
+        lse = finish_lse(top, jnp.exp(s - top[..., None]).sum(-1))
+    return jnp.exp(s - safe_shift(lse)[..., None]), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _attention(q, k, v, indices, valid, scale, block_q, values):
-    return _forward(q, k, v, indices, valid, scale, block_q, values)
+def _attention(q, k, v, selected, valid, scale, block_q, values):
+    return _forward(q, k, v, selected, valid, scale, block_q, values)
 
 
-def _forward(q, k, v, indices, valid, scale, block_q, values):
+def _forward(q, k, v, selected, valid, scale, block_q, values):
     """(out [batch, tq, heads, dv], weights [batch, tq, count], lse [batch, tq, kv_heads, group]); v None: the keys'
     first `values` features."""
     batch, tq, heads, dqk = q.shape
     kv_heads, dv = k.shape[2], values
     group = heads // kv_heads
     bq, nq = padded_blocks(tq, block_q)
-    q, indices, valid = pad(q, 1, bq), pad(indices, 1, bq), pad(valid, 1, bq)
+    q, selected, valid = pad(q, 1, bq), pad(selected, 1, bq), pad(valid, 1, bq)
 
     def q_block(flat):
         b, i = flat // nq, flat % nq
         rows = lambda x: lax.dynamic_slice_in_dim(x[b], i * bq, bq)
-        k_sel, v_sel = _selected(k, v, b, rows(indices), values)
+        k_sel, v_sel = _selected(k, v, b, rows(selected), values)
         p, lse = _probabilities(rows(q).reshape(bq, kv_heads, group, dqk), k_sel, rows(valid), scale)
         out = jnp.einsum("qhgc,qchd->qhgd", p.astype(v_sel.dtype), v_sel, preferred_element_type=jnp.float32)
         return out.reshape(bq, heads, dv).astype(q.dtype), p.sum((1, 2)), lse
@@ -74,30 +73,30 @@ def _forward(q, k, v, indices, valid, scale, block_q, values):
     return unblock(out), unblock(weights), unblock(lse)
 
 
-def _attention_forward(q, k, v, indices, valid, scale, block_q, values):
-    out, weights, lse = _forward(q, k, v, indices, valid, scale, block_q, values)
-    return (out, weights, lse), (q, k, v, indices, valid, out, lse)
+def _attention_forward(q, k, v, selected, valid, scale, block_q, values):
+    out, weights, lse = _forward(q, k, v, selected, valid, scale, block_q, values)
+    return (out, weights, lse), (q, k, v, selected, valid, out, lse)
 
 
 def _attention_backward(scale, block_q, values, residuals, cotangents):
     """dq, dk, dv (no gradient for the selection): per query block, d score = p (dp - delta) with
     delta = dout . out; dk and dv rows are added where the block's selection points (values that are the keys'
     first features add to dk there)."""
-    q, k, v, indices, valid, out, lse = residuals
+    q, k, v, selected, valid, out, lse = residuals
     dout = cotangents[0]
     batch, tq, heads, dqk = q.shape
     kv_heads, dv = k.shape[2], values
     group = heads // kv_heads
     bq, nq = padded_blocks(tq, block_q)
-    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), -1).reshape(batch, tq, kv_heads, group)
-    q, dout, indices, valid = pad(q, 1, bq), pad(dout, 1, bq), pad(indices, 1, bq), pad(valid, 1, bq)
+    delta = backward_delta(out, dout).reshape(batch, tq, kv_heads, group)
+    q, dout, selected, valid = pad(q, 1, bq), pad(dout, 1, bq), pad(selected, 1, bq), pad(valid, 1, bq)
     lse, delta = pad(lse, 1, bq, -jnp.inf), pad(delta, 1, bq)
 
     def q_block(grads, flat):
         dk, dv_ = grads
         b, i = flat // nq, flat % nq
         rows = lambda x: lax.dynamic_slice_in_dim(x[b], i * bq, bq)
-        at = rows(indices)
+        at = rows(selected)
         q_blk, do_blk = rows(q).reshape(bq, kv_heads, group, dqk), rows(dout).reshape(bq, kv_heads, group, dv)
         k_sel, v_sel = _selected(k, v, b, at, values)
         p, _ = _probabilities(q_blk, k_sel, rows(valid), scale, rows(lse))

@@ -1,9 +1,9 @@
-"""How the code traced inside `use_plan(plan)` is parallelised: attention strategy, mesh axis and sequence layout,
-whether the residual stream is scattered over `tensor` (parallel/tensor.py), and how MoE tokens reach their
+"""How the code traced inside `use_parallelism(parallelism)` is parallelised: attention strategy, mesh axis and sequence
+layout, whether the residual stream is scattered over `tensor` (parallel/tensor.py), and how MoE tokens reach their
 experts (parallel/experts.py).
 
-The training step installs the plan from the run config while tracing, so models call `parallel.attention`
-without knowing about meshes; explicit arguments to `parallel.attention` override the plan.
+The training step installs the parallelism from the run config while tracing, so models call `parallel.attention`
+without knowing about meshes; explicit arguments to `parallel.attention` override the parallelism.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ RING_GRAD_DTYPES = ("float32", "compute")
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Parallelism:
     """strategy: a name in parallel.strategies.STRATEGIES; axis: mesh axis the sequence is sharded over (usp:
     (ring axis, ulysses axis)); layout: order of the sequence (contiguous, dual_chunk, striped, see
     parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
@@ -50,19 +50,19 @@ class Plan:
     ring_grad_dtype: str = "float32"
 
 
-_CURRENT = contextvars.ContextVar("plan", default=Plan())
+_CURRENT = contextvars.ContextVar("parallelism", default=Parallelism())
 
 
-def current_plan() -> Plan:
-    """The plan installed by the innermost `use_plan`, else the default (single-device, contiguous)."""
+def current_parallelism() -> Parallelism:
+    """The parallelism installed by the innermost `use_parallelism`, else the default (single-device, contiguous)."""
     return _CURRENT.get()
 
 
 @contextlib.contextmanager
-def use_plan(plan: Plan):
-    """Installs `plan` for attention calls traced inside the block."""
-    token = _CURRENT.set(plan)
+def use_parallelism(parallelism: Parallelism):
+    """Installs `parallelism` for attention calls traced inside the block."""
+    token = _CURRENT.set(parallelism)
     try:
-        yield plan
+        yield parallelism
     finally:
         _CURRENT.reset(token)

@@ -1,4 +1,5 @@
-"""The parallel plan from a run config: the size checks, `make_plan`, the host-side sequence reorder.
+"""A run config's `parallel` settings: their size checks, the Parallelism they make (`make_parallelism`), the
+host-side sequence reorder into its layout.
 
 Knows config-shaped objects only: the run config's `parallel` section, `settings` here (context_strategy,
 load_balance, balance_layout, stripe, block_q, block_kv, attention_kernel, scatter_residual, expert_dispatch,
@@ -15,7 +16,7 @@ import numpy as np
 from parallel import kernels
 from parallel.experts import DISPATCHES
 from parallel.mesh import MeshError
-from parallel.plan import Plan
+from parallel.parallelism import Parallelism
 from parallel.reorder import to_balanced
 
 
@@ -122,16 +123,16 @@ def attention_kernel(settings, platform: str, capability: str | None = None) -> 
         raise MeshError(f"parallel.attention_kernel={settings.attention_kernel!r}: {error}") from None
 
 
-def make_plan(settings, sizes: Mapping[str, int], device=None) -> Plan:
-    """The plan for the traced steps on devices like `device` (a jax Device of the mesh; None = a CPU): strategy, mesh
-    axis ("context"; usp: ("context", "ulysses")), layout for the context size in `sizes`, stripe, the attention
-    kernel and its block sizes, scattered tensor parallelism and the MoE dispatch (`expert_dispatch`), each resolved
-    for that device's platform, never for the backend of the machine that compiles. The mesh comes from
+def make_parallelism(settings, sizes: Mapping[str, int], device=None) -> Parallelism:
+    """The parallelism for the traced steps on devices like `device` (a jax Device of the mesh; None = a CPU): strategy,
+    mesh axis ("context"; usp: ("context", "ulysses")), layout for the context size in `sizes`, stripe, the attention
+    kernel and its block sizes, scattered tensor parallelism and the MoE dispatch (`expert_dispatch`), each resolved for
+    that device's platform, never for the backend of the machine that compiles. The mesh comes from
     `jax.set_mesh`."""
     strategy = settings.context_strategy
     platform = "cpu" if device is None else device.platform
     capability = getattr(device, "compute_capability", None) if platform == "gpu" else None
-    return Plan(
+    return Parallelism(
         strategy=strategy,
         axis=("context", "ulysses") if strategy == "usp" else "context",
         layout=layout_for(settings, sizes.get("context", 1)),
@@ -149,14 +150,14 @@ def make_plan(settings, sizes: Mapping[str, int], device=None) -> Plan:
     )
 
 
-def to_layout(batch: Mapping[str, np.ndarray], plan: Plan, context: int) -> dict[str, np.ndarray]:
-    """Host batch of [rows, seq_len] numpy arrays in original order -> the same arrays in `plan.layout` for
+def to_layout(batch: Mapping[str, np.ndarray], parallelism: Parallelism, context: int) -> dict[str, np.ndarray]:
+    """Host batch of [rows, seq_len] numpy arrays in original order -> the same arrays in `parallelism.layout` for
     `context` ring devices (the arrays themselves when the layout is contiguous)."""
-    if plan.layout == "contiguous":
+    if parallelism.layout == "contiguous":
         return dict(batch)
     return {
         key: np.ascontiguousarray(
-            to_balanced(np.asarray(value), context, axis=1, layout=plan.layout, stripe=plan.stripe)
+            to_balanced(np.asarray(value), context, axis=1, layout=parallelism.layout, stripe=parallelism.stripe)
         )
         for key, value in batch.items()
     }
