@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from parallel import kernels, tensor
 from parallel.kernels import Options, Tokens
@@ -125,7 +125,11 @@ def run_sharded(local, mesh, axis, q, k, v, segment_ids, sinks=None, latent=None
         group = tensor.AXIS if latent.tokens.shards > 1 else None
         heads = (*(axis_names(q_spec[2]) if q_spec[2] else ()), *axis_names(latent_heads))
         optional["rows"] = latent.tokens.grouped, PartitionSpec(group, *q_spec[:2], None)
-        optional["kv_b"] = latent.kv_b, PartitionSpec(None, heads or None, None)
+        kv_b = latent.kv_b
+        if latent_heads:  # gathered over the axes that split its rows first, then split over latent_heads locally:
+            # a reshard from rows to heads split over other axes the partitioner can only do by replicating it whole
+            kv_b = jax.lax.with_sharding_constraint(kv_b, NamedSharding(mesh, PartitionSpec(None, q_spec[2], None)))
+        optional["kv_b"] = kv_b, PartitionSpec(None, heads or None, None)
     names = tuple(optional)
 
     def body(q, k, v, seg, *rest):
