@@ -42,7 +42,7 @@ from models.config import ConfigError, ModelConfig
 from models.hf.convert import CONFIG, abstract_model, load_pretrained, save_pretrained
 from models.hf.replace import replace_directory
 from train.checkpoints.architecture import saved_model
-from train.checkpoints.checkpoint import newest_readable, read_model_params
+from train.checkpoints.checkpoint import Unreadable, newest_readable, read_meta, read_model_params
 from train.checkpoints.origin import origin_file
 from train.config import load_config
 from train.config.imported import HF_CONFIG, MODEL_YAML, TOKENIZER
@@ -185,12 +185,12 @@ def export_checkpoint(
 
 
 def _run_tokenizer(step_dir: pathlib.Path) -> tuple[dict, pathlib.Path | None]:
-    """The token ids ({bos, eos, pad}_token_id) of the tokenizer the run of `step_dir` trained with (its config.yaml's
-    data.tokenizer), and its tokenizer.json when it is one; ({}, None) for a checkpoint outside a run."""
-    run_config = origin_file(step_dir, "config.yaml")  # what a run writes in its directory
-    if run_config is None:
+    """The token ids ({bos, eos, pad}_token_id) of the tokenizer the run of `step_dir` trained with (the data.tokenizer
+    of the config saved with the step), and its tokenizer.json when it is one; ({}, None) for an import."""
+    try:
+        spec = read_meta(step_dir)["config"]["data"]["tokenizer"]
+    except (Unreadable, KeyError, TypeError):  # an import has no meta
         return {}, None
-    spec = (yaml.safe_load(run_config.read_text()) or {}).get("data", {}).get("tokenizer", "byte")
     try:
         tokenizer = make_tokenizer(spec)
     except FileNotFoundError:  # a relative path from where the run started, or since moved: no ids to carry
