@@ -1,9 +1,10 @@
-"""GPUs to compile for without one: compile-only devices from a GPU target config (a text proto of the device kept
-in parallel/gpu_targets/), through JAX's CUDA plugin with JAX_PLATFORMS=cpu. A mesh over them and
+"""GPUs and TPUs to compile for without one. GPUs: compile-only devices from a GPU target config (a text proto of
+the device kept in parallel/gpu_targets/), through JAX's CUDA plugin with JAX_PLATFORMS=cpu. A mesh over them and
 `jit(...).lower().compile()` run XLA's whole GPU pipeline to cubins, and `memory_analysis()` gives the GPU
-compiler's buffer assignment; nothing runs.
+compiler's buffer assignment; nothing runs. TPUs likewise through libtpu (parallel/tpu_targets.py).
 
     devices = compile_only_devices("h100", 16)  # 2 hosts x 8 H100s
+    devices = compile_only_devices("v5p", 16)  # a v5p slice of 16 chips
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 from typing import TYPE_CHECKING
 
 from parallel import compat
+from parallel.tpu_targets import TPU_TARGETS, TpuTarget, TpuTargetError, compile_only_tpus
 
 if TYPE_CHECKING:
     import jax
@@ -65,6 +67,7 @@ class Target:
     name: str
     spec: str
     rates: Rates = dataclasses.field(hash=False, compare=False, default=H100_RATES)
+    platform = "gpu"
 
     @property
     def config(self) -> str:
@@ -78,17 +81,18 @@ class Target:
 
 
 TARGETS = {"h100": Target("h100", "h100_sxm.txtpb", H100_RATES), "h200": Target("h200", "h200.txtpb", H200_RATES)}
+ALL = (*TARGETS, *TPU_TARGETS)  # what --target accepts
 
 
 class TargetError(ValueError):
     """A target that is unknown or cannot be compiled for here; the message says what would be accepted."""
 
 
-def target(name: str) -> Target:
-    """The Target called `name`; TargetError names the value and the known targets."""
-    if name not in TARGETS:
-        raise TargetError(f"--target {name!r} is unknown; choose one of {', '.join(TARGETS)}")
-    return TARGETS[name]
+def target(name: str) -> Target | TpuTarget:
+    """The GPU or TPU target called `name`; TargetError names the value and the known targets."""
+    if name not in ALL:
+        raise TargetError(f"--target {name!r} is unknown; choose one of {', '.join(ALL)}")
+    return TARGETS.get(name) or TPU_TARGETS[name]
 
 
 def topology(count: int) -> str:
@@ -108,10 +112,17 @@ def plugin_installed() -> bool:
 
 
 def compile_only_devices(name: str, count: int) -> tuple:
-    """`count` compile-only devices of target `name` (process i holds devices 8i .. 8i + 7); JAX runs on CPU if no
-    platform was chosen yet (the compiles need a host backend, not a GPU). TargetError when the target is unknown,
-    the count does not make whole hosts, or the CUDA plugin is missing (with the install command)."""
-    spec, shape = target(name), topology(count)
+    """`count` compile-only devices of target `name` (GPUs: process i holds devices 8i .. 8i + 7; TPUs: a slice, see
+    parallel/tpu_targets.py); JAX runs on CPU if no platform was chosen yet (the compiles need a host backend, not a
+    GPU). TargetError when the target is unknown, the count does not make whole hosts (a slice), or the CUDA plugin
+    (libtpu) is missing (with the install command)."""
+    spec = target(name)
+    if isinstance(spec, TpuTarget):
+        try:
+            return compile_only_tpus(spec, count)
+        except TpuTargetError as error:
+            raise TargetError(str(error)) from None
+    shape = topology(count)
     if not plugin_installed():
         raise TargetError(f"compiling for {name} needs XLA's GPU compiler: {GPU_INSTALL}")
     return _topology_devices(spec, shape)

@@ -2,7 +2,8 @@
 
 `--plan` trains nothing: it compiles the train step on abstract shapes and prints the memory per device (see
 train/planning/memory.py), for simulated CPU devices or, with `--target h100|h200`, for compile-only GPUs through XLA's
-GPU compiler (parallel/targets.py; needs the `gpu` extra, no GPU)."""
+GPU compiler (parallel/targets.py; needs the `gpu` extra, no GPU), or with `--target v5e|v5p|v6e|tpu7x` for a
+compile-only TPU slice through libtpu (parallel/tpu_targets.py; needs the `tpu` extra, no TPU)."""
 
 from __future__ import annotations
 
@@ -75,13 +76,16 @@ def simulate_cpu_devices(count: int) -> None:
 
 
 def plan(config, devices: int | None, memory: int | None, target: str | None = None) -> int:
-    """Prints the memory plan for simulated CPU devices, or compile-only GPUs of `target`; returns DOES_NOT_FIT when
-    it exceeds `memory` (for a target by default the memory a run lets XLA take), else 0."""
+    """Prints the memory plan for simulated CPU devices, or compile-only GPUs or TPUs of `target`; returns
+    DOES_NOT_FIT when it exceeds `memory` (for a target by default the memory a run lets XLA take), else 0."""
     count = plan_device_count(config.mesh, devices)
     if target is not None:
         spec = targets.target(target)
         plan_devices = targets.compile_only_devices(spec.name, count)
-        if memory is None:  # the share a run lets XLA take (environment.default_environment)
+        if memory is None and spec.platform == "tpu":
+            memory = spec.memory
+            print(f"{spec.name}: {format_size(memory)} of HBM per device", flush=True)
+        elif memory is None:  # the share a run lets XLA take (environment.default_environment)
             fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", environment.GPU_MEMORY_FRACTION)
             memory = int(spec.memory * float(fraction))
             print(
@@ -99,7 +103,9 @@ def plan(config, devices: int | None, memory: int | None, target: str | None = N
         plan_devices = jax.devices()[:count]
     result = plan_memory(config, plan_devices)
     print(format_plan(result, memory), flush=True)
-    if target is not None:
+    if target is not None and spec.rates is None:
+        print(f"speed: no estimate for {spec.name} yet (the estimate reads a GPU program's kernels)", flush=True)
+    elif target is not None:
         print(format_estimate(estimate_plan(result, spec.rates), spec.name), flush=True)
     return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 
@@ -147,14 +153,16 @@ def arguments() -> argparse.ArgumentParser:
         "--devices",
         type=int,
         metavar="N",
-        help="with --plan: plan for N devices: simulated CPU devices, or with --target compile-only GPUs, 8 per host "
-        "(default: the product of the mesh sizes)",
+        help="with --plan: plan for N devices: simulated CPU devices, or with --target compile-only GPUs, 8 per host, "
+        "or a TPU slice of N devices (default: the product of the mesh sizes)",
     )
     parser.add_argument(
         "--target",
-        choices=tuple(targets.TARGETS),
+        choices=targets.ALL,
         help="with --plan: compile for this GPU (no GPU needed; needs a CUDA plugin: pip install -e '.[cuda13]' or "
-        "'.[cuda12]') and plan from XLA's GPU compiler; the fit verdict defaults to the memory a run lets XLA take",
+        "'.[cuda12]') and plan from XLA's GPU compiler, or for this TPU generation (needs libtpu: pip install -e "
+        "'.[tpu]') and plan from the TPU compiler; the fit verdict defaults to the memory a run lets XLA take (a TPU's "
+        "whole HBM)",
     )
     parser.add_argument(
         "--device-memory",

@@ -138,7 +138,8 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
         step = configured_train_step(TrainState(graphdef, state, shardings), mesh, config, parallelism)
         log.info(compiling(parallelism, mesh))
         start = time.perf_counter()
-        compiled = step.lower(state, batch).compile(CPU_OPTIONS if platform == "cpu" else GPU_PLAN_OPTIONS)
+        options = {"cpu": CPU_OPTIONS, "gpu": GPU_PLAN_OPTIONS}.get(platform, {})
+        compiled = step.lower(state, batch).compile(options)
         seconds = time.perf_counter() - start
     stats = compiled.memory_analysis()
     model, optimizer = state[0], state[1]
