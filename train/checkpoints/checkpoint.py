@@ -285,7 +285,8 @@ class Checkpointer:
                 except CheckpointError as error:
                     if not fresh_if_unusable:
                         raise
-                    log.warning("%s; data.on_change=restart: the data position starts fresh", str(error).split(".")[0])
+                    unusable = str(error).split(". Nothing was moved")[0]
+                    log.warning("%s; data.on_change=restart: the data position starts fresh", unusable)
             try:
                 restored = self.manager.restore(
                     step,

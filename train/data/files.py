@@ -101,20 +101,21 @@ def list_files(root: pathlib.Path, pattern: str, skip_dirs: frozenset[str] = fro
     return sorted(found)
 
 
-def _invalid_utf8(data: bytes, final: bool) -> tuple[int, int | None]:
-    """(how many bytes of `data` are not valid UTF-8, the offset of the first or None); a character cut at the end
-    is valid unless `final`."""
+def _invalid_utf8(data: bytes, final: bool, limit: int) -> tuple[int, int | None]:
+    """(how many bytes of `data` are not valid UTF-8, counted up to just past `limit`; the offset of the first or
+    None); a character cut at the end is valid unless `final`."""
     count, first, at = 0, None, 0
     decoder = codecs.getincrementaldecoder("utf-8")()
-    while True:
+    while count <= limit:
         try:
             decoder.decode(data[at:], final=final)
-            return count, first
+            break
         except UnicodeDecodeError as error:
             first = at + error.start if first is None else first
             count += error.end - error.start
             at += error.end
             decoder.reset()
+    return count, first
 
 
 def _not_text(path: pathlib.Path) -> str | None:
@@ -124,9 +125,11 @@ def _not_text(path: pathlib.Path) -> str | None:
     head = read_bytes(str(path), size=SNIFF_BYTES)
     if (nul := head.find(b"\0")) >= 0:
         return f"NUL byte at offset {nul}"
-    invalid, first = _invalid_utf8(head, final=len(head) < SNIFF_BYTES)
-    if invalid > NOT_TEXT_SHARE * len(head):
-        return f"not UTF-8 ({invalid} of its first {len(head)} bytes, the first 0x{head[first]:02x} at offset {first})"
+    limit = int(NOT_TEXT_SHARE * len(head))
+    invalid, first = _invalid_utf8(head, final=len(head) < SNIFF_BYTES, limit=limit)
+    if invalid > limit:
+        share = f"more than {NOT_TEXT_SHARE:.0%} of its first {len(head)} bytes invalid"
+        return f"not UTF-8 ({share}, the first 0x{head[first]:02x} at offset {first})"
     return None
 
 
