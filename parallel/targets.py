@@ -16,6 +16,7 @@ import re
 from typing import TYPE_CHECKING
 
 from parallel import compat
+from parallel.rates import Rates
 from parallel.tpu_targets import TPU_TARGETS, TpuTarget, TpuTargetError, compile_only_tpus
 
 if TYPE_CHECKING:
@@ -24,26 +25,6 @@ if TYPE_CHECKING:
 GPU_INSTALL = "pip install -e '.[cuda13]' or '.[cuda12]' (JAX's CUDA plugin at the installed JAX version)"
 GPUS_PER_HOST = 8
 SPECS = pathlib.Path(__file__).with_name("gpu_targets")
-
-
-@dataclasses.dataclass(frozen=True)
-class Rates:
-    """What one GPU of a target sustains, for the speed estimate (train/planning/speed.py); measured on a GPU where
-    bench/README.md "On one GPU" has it (an H200, 2026-11-26), else from the data sheet as said.
-
-    matmul: FLOP/s of large bfloat16 matmuls. attention: FLOP/s of each fused attention kernel, forward + backward,
-    FLOPs counted once per visible (query, key) pair and a backward as 2.5 forwards (bench/gpu_attention.py's
-    count). memory: bytes/s read + written by memory-bound kernels. nvlink / network: bytes/s one GPU sends in a
-    collective within its host / to other hosts. kernel: seconds a kernel takes at the least (launch and tail).
-    collective: seconds a collective takes at the least (its latency)."""
-
-    matmul: float
-    attention: dict
-    memory: float
-    nvlink: float
-    network: float
-    kernel: float = 3e-6
-    collective: float = 15e-6
 
 
 # Measured on an H200: 708 TFLOP/s chained 8192^3 matmuls; 3.5-3.7 TB/s copies; cuDNN 240 and Pallas 110 TFLOP/s

@@ -15,17 +15,29 @@ import dataclasses
 import functools
 import importlib.util
 import math
+import os
+
+from parallel.rates import Rates
 
 TPU_INSTALL = "pip install -e '.[tpu]' (libtpu, the TPU compiler, at the installed JAX version)"
 GiB = 1 << 30
+
+
+# The shares of a data sheet's rates the speed estimate assumes a TPU sustains: none is measured on a TPU here.
+MATMUL_SHARE = 0.8  # large bfloat16 matmuls (an H200 measured 72% of its peak: parallel/targets.py)
+SPLASH_SHARE = 0.5  # splash attention's kernels, on the matmuls each computes (MaxText's 52% MFU at 32K on v5p
+# with splash bounds it from below at long context)
+BLOCKWISE_SHARE = 24 / 708  # the blockwise kernel against large matmuls, as an H200 measured them
+MEMORY_SHARE = 0.75  # HBM (an H200 measured 3.6 of 4.8 TB/s)
+ICI_SHARE = 0.8  # of one torus dimension's links, which a collective over one mesh axis uses
 
 
 @dataclasses.dataclass(frozen=True)
 class TpuTarget:
     """A TPU generation to compile for: `topology` libtpu's name for it, `host` the chips a host holds (x, y, z),
     `torus` the dimensions of a slice (2 or 3), `devices_per_chip` the JAX devices a chip is, `memory` the HBM bytes
-    of one device (the data sheet's per chip over devices_per_chip). `rates`: none yet (the speed estimate reads GPU
-    programs)."""
+    of one device (the data sheet's per chip over devices_per_chip). From the data sheet, per chip: `peak` bfloat16
+    FLOP/s, `bandwidth` HBM bytes/s, `ici` bytes/s over all its inter-chip links."""
 
     name: str
     topology: str
@@ -33,15 +45,35 @@ class TpuTarget:
     torus: int
     devices_per_chip: int
     memory: int
+    peak: float
+    bandwidth: float
+    ici: float
     platform = "tpu"
-    rates = None
+
+    @property
+    def rates(self) -> Rates:
+        """What one device sustains, for the speed estimate: the data sheet's rates per device at the shares above
+        (a collective over one mesh axis runs on one torus dimension's links)."""
+        per_device = 1 / self.devices_per_chip
+        peak = self.peak * per_device
+        ici = self.ici * per_device / self.torus * ICI_SHARE
+        return Rates(
+            matmul=peak * MATMUL_SHARE,
+            attention={"splash": peak * SPLASH_SHARE, "blockwise": peak * MATMUL_SHARE * BLOCKWISE_SHARE},
+            memory=self.bandwidth * per_device * MEMORY_SHARE,
+            nvlink=ici,
+            network=ici,
+            platform="tpu",
+        )
 
 
+# Data sheets (cloud.google.com/tpu/docs/<generation>): bfloat16 peak, HBM bandwidth, ICI bandwidth per chip.
 TPU_TARGETS = {
-    "v5e": TpuTarget("v5e", "v5e", (2, 4, 1), 2, 1, 16 * GiB),
-    "v5p": TpuTarget("v5p", "v5p", (2, 2, 1), 3, 1, 95 * GiB),
-    "v6e": TpuTarget("v6e", "v6e", (2, 4, 1), 2, 1, 32 * GiB),
-    "tpu7x": TpuTarget("tpu7x", "tpu7x", (2, 2, 1), 3, 2, 96 * GiB),  # Ironwood: 192 GiB a chip, two devices
+    "v5e": TpuTarget("v5e", "v5e", (2, 4, 1), 2, 1, 16 * GiB, 197e12, 819e9, 1600e9 / 8),
+    "v5p": TpuTarget("v5p", "v5p", (2, 2, 1), 3, 1, 95 * GiB, 459e12, 2765e9, 4800e9 / 8),
+    "v6e": TpuTarget("v6e", "v6e", (2, 4, 1), 2, 1, 32 * GiB, 918e12, 1640e9, 3584e9 / 8),
+    # Ironwood: 192 GiB a chip, two devices; 4,614 TFLOP/s in fp8, half that in bfloat16; 1.2 TB/s of ICI
+    "tpu7x": TpuTarget("tpu7x", "tpu7x", (2, 2, 1), 3, 2, 96 * GiB, 2307e12, 7370e9, 1200e9),
 }
 
 
@@ -96,6 +128,9 @@ def _slice_devices(target: TpuTarget, shape: tuple[int, ...]) -> tuple:
 
     if not jax.config.jax_platforms:
         jax.config.update("jax_platforms", "cpu")
+    # libtpu takes a lock on /tmp for the chips it drives; compiling drives none, so processes that compile at once
+    # (test workers, a plan beside a test) may each load it
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     host = tuple(min(side, bound) for side, bound in zip((*shape, 1)[:3], target.host, strict=True))
     name = f"{target.topology}:{'x'.join(map(str, shape))}"
     return tuple(topologies.get_topology_desc(platform="tpu", topology_name=name, chips_per_host_bounds=host).devices)

@@ -103,9 +103,7 @@ def plan(config, devices: int | None, memory: int | None, target: str | None = N
         plan_devices = jax.devices()[:count]
     result = plan_memory(config, plan_devices)
     print(format_plan(result, memory), flush=True)
-    if target is not None and spec.rates is None:
-        print(f"speed: no estimate for {spec.name} yet (the estimate reads a GPU program's kernels)", flush=True)
-    elif target is not None:
+    if target is not None:
         print(format_estimate(estimate_plan(result, spec.rates), spec.name), flush=True)
     return DOES_NOT_FIT if memory is not None and not result.fits(memory) else 0
 

@@ -4,13 +4,15 @@ lse). Every kernel takes q, k, v, each side's `Tokens` (segment ids and global i
 (parallel/kernels/arguments.py). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py, Triton, and on
 Hopper Mosaic GPU's, mosaic.py; interpret mode runs them on CPU), cuDNN flash attention and FlashAttention-3 on packed
 rows (parallel/kernels/cudnn.py, flash3.py and what they share, packed.py; GPU, Hopper, FlashAttention-3 an optional
-extra; Pallas for the calls they cannot serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU
+extra; Pallas for the calls they cannot serve), JAX's Pallas TPU splash attention (parallel/kernels/splash.py; the
+blockwise kernel for the calls it cannot serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU
 kernel and the reference. `auto` picks by the devices a step compiles for (see select)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -19,12 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from parallel.kernels import blockwise, cudnn, flash3, packed, pallas, visible
+from parallel.kernels import blockwise, cudnn, flash3, packed, pallas, splash, visible
 from parallel.kernels import sinks as attention_sinks
 from parallel.kernels.arguments import Options, Tokens
 
-KERNELS = ("auto", "pallas", "blockwise", "cudnn", "flash3")
+KERNELS = ("auto", "pallas", "blockwise", "cudnn", "flash3", "splash")
 PACKED = ("cudnn", "flash3")  # kernels on packed rows: documents as runs in original order (parallel/kernels/packed.py)
+FIXED_MASKS = ("splash",)  # masks fixed at trace time: keys' indices static (parallel/kernels/splash.py)
+log = logging.getLogger(__name__)
 
 
 class Kernel(NamedTuple):
@@ -43,17 +47,28 @@ def select(
 ) -> Kernel:
     """The kernel named `kernel` for devices of platform `backend` (default: JAX's) and CUDA compute `capability`
     ("9.0"; default: the first GPU's, see hopper). auto = on GPU cuDNN from Hopper (9.0) on, else
-    Pallas; blockwise elsewhere. cudnn and flash3 (Hopper alone, with its wheel installed) run `general_kernel`'s
-    kernel for the calls they cannot serve (packed.Unservable): Pallas on GPU. `interpret=True` runs the Pallas
-    kernels in interpret mode (any backend). Raises ValueError naming the kernel when it is unknown or cannot run on
-    the backend."""
+    Pallas; splash on TPU; blockwise elsewhere. cudnn and flash3 (Hopper alone, with its wheel installed) run
+    `general_kernel`'s kernel for the calls they cannot serve (packed.Unservable): Pallas on GPU; splash the blockwise
+    kernel. `interpret=True` runs the Pallas kernels in interpret mode (any backend). Raises ValueError naming the
+    kernel when it is unknown or cannot run on the backend."""
     backend = backend or jax.default_backend()
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
     if kernel == "auto":
-        kernel = "blockwise" if backend != "gpu" else "cudnn" if hopper(backend, capability) else "pallas"
+        gpu = "cudnn" if hopper(backend, capability) else "pallas"
+        kernel = {"gpu": gpu, "tpu": "splash"}.get(backend, "blockwise")
     if kernel == "blockwise":
         return BLOCKWISE
+    if kernel == "splash":
+        if backend != "tpu" and not interpret:
+            raise ValueError(
+                f"attention kernel 'splash' compiles for TPU (Pallas Mosaic TPU), not {backend}; choose "
+                f"{'cudnn, pallas, ' if backend == 'gpu' else ''}blockwise or auto there (tests run it with "
+                f"interpret=True)"
+            )
+        forward = functools.partial(splash.forward, interpret=interpret)
+        backward = functools.partial(splash.backward, interpret=interpret)
+        return _named("splash", _or(forward, BLOCKWISE), _or(backward, BLOCKWISE, "backward"))
     if kernel == "cudnn":
         if backend != "gpu" or not hopper(backend, capability):
             where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
@@ -91,7 +106,7 @@ def _packed(name: str, module, backend: str, capability: str | None, interpret: 
     general = select(general_kernel(name, backend), interpret=interpret, backend=backend, capability=capability)
     forward = functools.partial(module.forward, general=visible.fallback(general.forward))
     backward = functools.partial(module.backward, general=visible.fallback(general.backward))
-    return _named(name, _or(forward, general.forward), _or(backward, general.backward))
+    return _named(name, _or(forward, general), _or(backward, general, "backward"))
 
 
 def _named(name: str, forward: Callable, backward: Callable) -> Kernel:
@@ -130,18 +145,26 @@ def compute_capability(backend: str, capability: str | None) -> tuple[int, int]:
     return major, minor
 
 
-def _or(kernel: Callable, fallback: Callable) -> Callable:
-    """`kernel`, or `fallback` (the same arguments) for a call it raises packed.Unservable on."""
+def _or(kernel: Callable, general: Kernel, part: str = "forward") -> Callable:
+    """`kernel` (a forward or backward: `part`), or the `general` kernel's same part for a call it raises
+    packed.Unservable on; each reason logged the first time (a trace-time choice: the plan's log names it)."""
+    fallback = getattr(general, part)
 
     @functools.wraps(kernel)
     def call(*args, **kwargs):
         """kernel(*args, **kwargs), else fallback(*args, **kwargs)."""
         try:
             return kernel(*args, **kwargs)
-        except packed.Unservable:
+        except packed.Unservable as unservable:
+            if str(unservable) not in _UNSERVED:
+                _UNSERVED.add(str(unservable))
+                log.info("attention: %s; the %s kernel runs such calls", unservable, general.name)
             return fallback(*args, **kwargs)
 
     return call
+
+
+_UNSERVED: set[str] = set()  # the reasons logged
 
 
 def attention(
@@ -169,12 +192,12 @@ def attention(
     sides = (_filled(q_tokens, batch, tq), _filled(kv_tokens, batch, tk))
     known = tuple(packed.known_at_trace_time(side.index) for side in sides)
     impl = kernel if isinstance(kernel, Kernel) else select(kernel, interpret=interpret, backend=backend)
-    if all(index is not None for index in known):
-        static = tuple(index.astype(np.int32) for index in known)
-        out, lse = _attention(impl, options, static, q, k, v, *(side._replace(index=None) for side in sides))
-    else:
-        traced = (side._replace(index=jnp.asarray(side.index, jnp.int32)) for side in sides)
-        out, lse = _attention(impl, options, None, q, k, v, *traced)
+    static = tuple(None if index is None else index.astype(np.int32) for index in known)
+    given = (
+        side._replace(index=None if fixed is not None else jnp.asarray(side.index, jnp.int32))
+        for side, fixed in zip(sides, static, strict=True)
+    )
+    out, lse = _attention(impl, options, static, q, k, v, *given)
     return attention_sinks.apply(out, lse, sinks), lse
 
 
@@ -187,16 +210,18 @@ def _filled(tokens: Tokens | None, batch: int, length: int) -> Tokens:
 
 
 def _sides(static, q_tokens: Tokens, kv_tokens: Tokens) -> tuple[Tokens, Tokens]:
-    """The two sides as the kernel takes them: with the static (q_index, kv_index) in place when not None."""
-    if static is None:
-        return q_tokens, kv_tokens
-    return q_tokens._replace(index=static[0]), kv_tokens._replace(index=static[1])
+    """The two sides as the kernel takes them: each side's static index (of (q_index, kv_index)) in place when not
+    None."""
+    return tuple(
+        side if fixed is None else side._replace(index=fixed)
+        for side, fixed in zip((q_tokens, kv_tokens), static, strict=True)
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _attention(impl: Kernel, options: Options, static, q, k, v, q_tokens: Tokens, kv_tokens: Tokens):
-    """static: (q_index, kv_index) numpy when both are fixed at trace time (so the kernel sees them static; the
-    tokens' own indices are then None), else None and the tokens hold them traced."""
+    """static: (q_index, kv_index), each numpy when fixed at trace time (the kernel sees it static; that side's
+    own index is then None), else None and that side holds it traced."""
     return impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options)
 
 

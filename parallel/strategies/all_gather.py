@@ -7,7 +7,9 @@ Under a packed kernel (cuDNN's or FlashAttention-3's, whose masks know segments 
 global indices) the gathered K/V are put in original order and each query chunk of the local piece (one, or two in
 dual_chunk) makes two calls merged by log-sum-exp: its own keys (the causal diagonal) and every key before the chunk,
 later keys masked as padding (all-visible). Other layouts (striped: many chunks per piece) and windowed calls run the
-kernel's general kernel (Pallas on GPU), which it would fall back to for every call anyway.
+kernel's general kernel (Pallas on GPU), which it would fall back to for every call anyway. Under splash the
+gathered K/V are put in original order too: its mask of the local queries' (traced) indices against keys 0..length-1
+is then computed in the kernel, and blocks no query sees are skipped.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, parallelism
         exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, parallelism=parallelism)
         return run_sharded(functools.partial(halo.halo_local, **exchange), mesh, axis, q, k, v, segment_ids, sinks)
     by_chunks = in_order and chunked and window is None
+    keys_in_order = chosen_kernel(parallelism).name == "splash" and shards > 1 and parallelism.layout != "contiguous"
 
     def local(q, k, v, seg, sinks):
         k_all, v_all, seg_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))
@@ -69,7 +72,11 @@ def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, parallelism
                 q, k, v, q_tokens, k_all, v_all, seg_all, chunks=chunks, options=options, parallelism=parallelism
             )
         else:
-            kv_tokens = Tokens(seg_all, jnp.asarray(index))
+            kv_tokens = Tokens(seg_all, index)
+            if keys_in_order:  # splash: traced query indices against keys 0..length-1 (its mask in the kernel)
+                layout = dict(layout=parallelism.layout, stripe=parallelism.stripe, axis=1)
+                k_all, v_all, seg_all = (from_balanced(x, shards, **layout) for x in (k_all, v_all, seg_all))
+                kv_tokens = Tokens(seg_all, np.arange(k_all.shape[1], dtype=np.int32))
             out, lse = kernel(q, k_all, v_all, q_tokens, kv_tokens, options=options, parallelism=parallelism)
         return attention_sinks.apply(out, lse, sinks)
 

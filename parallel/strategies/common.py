@@ -106,7 +106,7 @@ def whole_sequence(q, k, v, seg, *, shards: int, options: Options, parallelism):
         tokens = Tokens(seg, np.arange(q.shape[1], dtype=np.int32))
         out, lse = kernel(q, k, v, tokens, tokens, options=options, parallelism=parallelism)
         return to_balanced(out, shards, **order), to_balanced(lse, shards, **order)
-    tokens = Tokens(seg, jnp.asarray(global_index(q.shape[1], parallelism, shards)))
+    tokens = Tokens(seg, global_index(q.shape[1], parallelism, shards))
     return kernel(q, k, v, tokens, tokens, options=options, parallelism=parallelism)
 
 

@@ -17,6 +17,7 @@ strategy runs as before.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallel import kernels
 from parallel.kernels import Options, Tokens
 from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
@@ -100,20 +102,25 @@ def halo_local(
     every piece in order; found: shifts(index, shards, options.window). -> out [batch, n, heads, dv], the sinks
     applied once to the merge of the own piece's and the halo's attention. The backward runs each call's kernel
     backward with the merged out and lse (as a ring step does) and sends the halo's dK / dV home."""
+    pieces = index.reshape(shards, -1)
+    each_rank = functools.partial(_each_rank, axis, shards, chosen_kernel(parallelism).name in kernels.FIXED_MASKS)
     if not found:  # every window within the own piece
-        own = Tokens(seg, local_piece(index, shards, lax.axis_index(axis)))
-        return attention_sinks.apply(*kernel(q, k, v, own, own, options=options, parallelism=parallelism), sinks)
+
+        def own_only(r):
+            own = Tokens(seg, _piece(pieces, r))
+            return kernel(q, k, v, own, own, options=options, parallelism=parallelism)
+
+        return attention_sinks.apply(*each_rank(own_only), sinks)
     impl = chosen_kernel(parallelism)
     received_index = np.concatenate([shift.index for shift in found], axis=1)
 
     def grad_dtype(x):
         return jnp.float32 if parallelism.ring_grad_dtype == "float32" else x.dtype
 
-    def sides(seg, halo_seg):
-        """(own tokens, halo tokens): the local piece's and the received rows' segment ids and global indices."""
-        rank = lax.axis_index(axis)
-        own = Tokens(seg, local_piece(index, shards, rank))
-        return own, Tokens(halo_seg, jnp.asarray(received_index)[rank])
+    def sides(seg, halo_seg, r):
+        """(own tokens, halo tokens) at rank r (traced, or an int): the local piece's and the received rows' segment
+        ids and global indices."""
+        return Tokens(seg, _piece(pieces, r)), Tokens(halo_seg, _piece(received_index, r))
 
     def run_forward(q, kv, seg):
         """((out in q's dtype, lse float32), Residuals)."""
@@ -121,10 +128,14 @@ def halo_local(
         received = [lax.ppermute(_rows(shift.rows, (*kv, seg), rank), axis, shift.pairs) for shift in found]
         halo_k, halo_v, halo_seg = (jnp.concatenate(parts, axis=1) for parts in zip(*received, strict=True))
         halo_seg = jnp.where(jnp.asarray(received_index)[rank] < INT32_MAX, halo_seg, 0)
-        own, halo = sides(seg, halo_seg)
-        out, lse = impl.forward(q, *kv, own, own, options=options, out_dtype=jnp.float32)
-        far = impl.forward(q, halo_k, halo_v, own, halo, options=options, out_dtype=jnp.float32)
-        out, lse = merge(out, lse, *far)
+
+        def both(r):
+            own, halo = sides(seg, halo_seg, r)
+            out, lse = impl.forward(q, *kv, own, own, options=options, out_dtype=jnp.float32)
+            far = impl.forward(q, halo_k, halo_v, own, halo, options=options, out_dtype=jnp.float32)
+            return merge(out, lse, *far)
+
+        out, lse = each_rank(both)
         return (out.astype(q.dtype), lse), Residuals(q, kv, (halo_k, halo_v), seg, halo_seg, out, lse)
 
     @jax.custom_vjp
@@ -134,20 +145,41 @@ def halo_local(
     def attend_bwd(res: Residuals, cotangents):
         dout, dlse = cotangents
         dlse = None if sinks is None else dlse  # only the sinks use the lse
-        own, halo = sides(res.seg, res.halo_seg)
         zeros = lambda arrays: tuple(jnp.zeros(x.shape, grad_dtype(x)) for x in arrays)
         merged = (res.out, res.lse, dout, dlse)
-        dq = jnp.zeros(res.q.shape, jnp.float32)
-        dq, dk, dv = impl.backward(res.q, *res.kv, own, own, *merged, options=options, accumulate=(dq, *zeros(res.kv)))
-        halo_grads = (dq, *zeros(res.halo_kv))
-        dq, dk_far, dv_far = impl.backward(
-            res.q, *res.halo_kv, own, halo, *merged, options=options, accumulate=halo_grads
-        )
+
+        def both(r):
+            own, halo = sides(res.seg, res.halo_seg, r)
+            dq = jnp.zeros(res.q.shape, jnp.float32)
+            dq, dk, dv = impl.backward(
+                res.q, *res.kv, own, own, *merged, options=options, accumulate=(dq, *zeros(res.kv))
+            )
+            halo_grads = (dq, *zeros(res.halo_kv))
+            dq, dk_far, dv_far = impl.backward(
+                res.q, *res.halo_kv, own, halo, *merged, options=options, accumulate=halo_grads
+            )
+            return dq, dk, dv, dk_far, dv_far
+
+        dq, dk, dv, dk_far, dv_far = each_rank(both)
         dk, dv = _send_home(found, (dk, dv), (dk_far, dv_far), axis)
         return dq.astype(res.q.dtype), (dk.astype(res.kv[0].dtype), dv.astype(res.kv[1].dtype)), None
 
     attend.defvjp(run_forward, attend_bwd)
     return attention_sinks.apply(*attend(q, (k, v), seg), sinks)
+
+
+def _piece(table: np.ndarray, rank):
+    """Row `rank` of `table` [shards, width]: numpy for an int rank, else traced."""
+    return table[rank] if isinstance(rank, int) else local_piece(table.reshape(-1), table.shape[0], rank)
+
+
+def _each_rank(axis, shards: int, fixed: bool, call):
+    """call(rank) with the device's traced rank over `axis`; or, when the kernel's masks are `fixed` at trace time
+    (splash), a switch over call(0) ... call(shards - 1), each with its rank's indices static."""
+    rank = lax.axis_index(axis)
+    if not fixed:
+        return call(rank)
+    return lax.switch(rank, [functools.partial(call, r) for r in range(shards)])
 
 
 def _rows(rows: np.ndarray, arrays, rank):

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import pytest
 
 from parallel import experts, first_contact, kernels
-from parallel.kernels import pallas
+from parallel.kernels import pallas, splash
 from parallel.mesh import make_mesh
 from parallel.parallelism import Parallelism
 from train.config import MeshConfig
 
 PALLAS = Parallelism(kernel="pallas", interpret=True, platform="cpu")
+SPLASH = Parallelism(kernel="splash", interpret=True, platform="cpu", block_q=128, block_kv=128)  # as on a TPU
 DIMS = (4, 2, 32, 16)  # GQA, q-k and v head dims that differ
 
 
@@ -23,13 +24,13 @@ def short_rows(monkeypatch):
     monkeypatch.setattr(first_contact, "LENGTH", 64)
 
 
-def serve(monkeypatch, forward):
-    """kernels.select("pallas") gives the interpret-mode Pallas kernel with `forward` in place of its own."""
+def serve(monkeypatch, forward, name="pallas"):
+    """kernels.select(name) gives the interpret-mode kernel `name` with `forward` in place of its own."""
     select = kernels.select
 
     def standin(kernel="auto", **options):
         chosen = select(kernel, **options)
-        return chosen._replace(forward=forward) if kernel == "pallas" else chosen
+        return chosen._replace(forward=forward) if kernel == name else chosen
 
     monkeypatch.setattr(kernels, "select", standin)
 
@@ -44,10 +45,20 @@ def check(parallelism, mesh=None, experts_=(0, 0)):
                                  experts=experts_, dtype=jnp.bfloat16)  # fmt: skip
 
 
-def test_a_right_kernel_is_kept(caplog):
+@pytest.mark.parametrize("parallelism", [PALLAS, SPLASH], ids=["pallas", "splash"])
+def test_a_right_kernel_is_kept(caplog, parallelism):
     with caplog.at_level(logging.INFO):
-        assert check(PALLAS) == PALLAS
-    assert "attention kernel 'pallas' checked against the blockwise kernel on cpu" in caplog.text
+        assert check(parallelism) == parallelism
+    assert f"attention kernel '{parallelism.kernel}' checked against the blockwise kernel on cpu" in caplog.text
+
+
+def test_a_wrong_splash_kernel_falls_back_to_blockwise(monkeypatch, caplog):
+    """On a TPU the kernel after splash is the blockwise kernel."""
+    wrong = lambda *a, **kw: (lambda out, lse: (out, lse * 1.5))(*splash.forward(*a, **kw, interpret=True))
+    serve(monkeypatch, wrong, "splash")
+    with caplog.at_level(logging.WARNING):
+        assert check(SPLASH).kernel == "blockwise"
+    assert "attention kernel 'splash' disagrees with the blockwise kernel on cpu (diagonal: lse differs" in caplog.text
 
 
 @pytest.mark.parametrize(

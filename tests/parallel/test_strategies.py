@@ -44,7 +44,7 @@ def check_strategy(
     strategy, shards, layout="dual_chunk", stripe=1, case_list=None, unpacked_as_none=False, kernel="blockwise"
 ):
     """Compiles all cases once; runs them on packed segment ids and on unpacked rows (all ones, or None).
-    kernel="pallas" runs the Pallas kernels in interpret mode."""
+    kernel="pallas" or "splash" runs the Pallas kernels in interpret mode."""
     mesh, axis, layout_shards = mesh_for(strategy, shards)
     case_list = case_list or cases()
     data = [inputs(heads, seed) for seed, (heads, _) in enumerate(case_list)]
@@ -76,7 +76,7 @@ def check_strategy(
 
     packed = jnp.asarray(packed_segments(BATCH, LENGTH, seed=shards))
     unpacked = None if unpacked_as_none else jnp.ones((BATCH, LENGTH), jnp.int32)
-    parallelism = Parallelism(block_q=8, block_kv=8, kernel=kernel, interpret=kernel == "pallas")
+    parallelism = Parallelism(block_q=8, block_kv=8, kernel=kernel, interpret=kernel in ("pallas", "splash"))
     with jax.set_mesh(mesh), use_parallelism(parallelism):
         run = jax.jit(run_all)
         runs = [(seg, run(data, seg)) for seg in (packed, unpacked)]

@@ -55,7 +55,7 @@ def check_windows(strategy, shards, layout, kernel="blockwise", windows=None):
 
     # One compile for all windows, or on JAX 0.10 one per window: XLA:CPU runs a program's independent parts at
     # once, and there two windows' rings in one program could exchange their pieces (wrong gradients, now and then).
-    parallelism = Parallelism(block_q=8, block_kv=8, kernel=kernel, interpret=kernel == "pallas")
+    parallelism = Parallelism(block_q=8, block_kv=8, kernel=kernel, interpret=kernel in ("pallas", "splash"))
     with jax.set_mesh(mesh), use_parallelism(parallelism):
         if jax.__version_info__ < (0, 11):
             results = [jax.jit(functools.partial(grads, window))(q, k, v, s) for window in windows]

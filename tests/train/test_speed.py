@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from parallel import tpu_targets
 from parallel.kernels import visible
 from parallel.kernels.arguments import Options, Tokens
 from parallel.targets import H100_RATES
@@ -159,3 +160,69 @@ def test_estimate_reports_step_tokens_and_mfu():
     assert estimate.tokens_per_second_per_device == 62_500 and math.isclose(estimate.mfu, 0.25)
     text = speed.format_estimate(estimate, "h100")
     assert "step 2 s, 62,500 tokens/s per GPU, MFU 25.0%" in text and "attention kernels 75%, matmuls 25%" in text
+
+
+TPU = tpu_targets.TPU_TARGETS["v5p"].rates
+
+
+def test_a_convolution_the_tpu_compiler_makes_of_a_dot_counts_the_dot_flops():
+    """A plain dot as a convolution; and a batched one whose batch is a padded, reversed window (each output
+    position meets one input position of its window), as libtpu writes `abte,eaf->btaf`."""
+    plain = "  ROOT %c = bf16[8192,8192]{1,0} convolution(%a, %b), dim_labels=bf_io->bf"
+    assert cost(program(plain)).flops[speed.MATMULS] == GEMM_FLOPS
+    operands = "  %l = bf16[256,768,1]{2,1,0} parameter(3)\n  %r = bf16[4,64,256]{2,1,0} parameter(4)\n"
+    batched = (
+        "  ROOT %c = bf16[768,4,64]{2,1,0} convolution(%l, %r), window={size=4 pad=3_3 rhs_reversal=1}, "
+        "dim_labels=fb0_0oi->b0f"
+    )
+    assert cost(program(batched, parameters=operands)).flops[speed.MATMULS] == 2.0 * 768 * 4 * 64 * 256
+
+
+def test_a_loop_the_tpu_compiler_leaves_uncounted_takes_its_trips_from_its_condition():
+    body = (
+        "%body (p: (s32[], bf16[8192,8192], bf16[8192,8192])) -> (s32[], bf16[8192,8192], bf16[8192,8192]) {\n"
+        "  %p = (s32[], bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)\n"
+        "  %a = bf16[8192,8192]{1,0} get-tuple-element(%p), index=1\n"
+        "  %b = bf16[8192,8192]{1,0} get-tuple-element(%p), index=2\n"
+        f"  ROOT %gemm = {GEMM}\n}}\n"
+    )
+    condition = (
+        "%condition (p: (s32[], bf16[8192,8192], bf16[8192,8192])) -> pred[] {\n"
+        "  %limit = s32[] constant(5)\n  %p = (s32[], bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) parameter(0)\n"
+        "  %i = s32[] get-tuple-element(%p), index=0\n  ROOT %lt = pred[] compare(%i, %limit), direction=LT\n}\n"
+    )
+    loop = (
+        "  %one = s32[] constant(1)\n"
+        "  %t = (s32[], bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) tuple(%one, %a, %b)\n"
+        "  ROOT %w = (s32[], bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}) while(%t), condition=%condition, body=%body\n"
+    )
+    tally = cost(program(loop, body, condition))
+    assert tally.seconds == pytest.approx(4 * GEMM_FLOPS / RATES.matmul) and tally.unknown_loops == 0
+    unknown = cost(program(loop, body, condition.replace("%limit)", "%i)")))
+    assert unknown.unknown_loops == 1
+
+
+def test_a_splash_call_takes_the_matmuls_it_computes_on_its_visible_pairs_at_the_splash_rate():
+    """A splash dq kernel (1.5 forwards: it recomputes the scores), its metadata on a line of its own as libtpu
+    prints a Pallas TPU kernel."""
+    q, kv = "bf16[1,32,8192,128]{3,2,1,0}", "bf16[1,8,8192,128]{3,2,1,0}"
+    operands = "  %m = s8[1,32,32]{2,1,0} parameter(3)\n" + "".join(
+        f"  %{n} = {shape} parameter({i})\n" for i, (n, shape) in enumerate((("q", q), ("k", kv), ("v", kv)), 4)
+    )
+    call = (
+        f"  ROOT %splash_mha_dq_segmented_no_residuals.3 = {q} custom-call(%m, %q, %k, %v), "
+        'custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={"a":\n'
+        '}}, metadata={op_name="jit(f)/attention_splash_visible_0.5000/splash_mha_dq/pallas_call"}'
+    )
+    tally = speed.schedule_cost(program(call, parameters=operands), TPU, [0] * 8)
+    flops = 0.5 * 1.5 * 2.0 * 32 * 8192 * 8192 * (128 + 128)
+    assert tally.flops[speed.ATTENTION] == pytest.approx(flops)
+    assert tally.seconds == pytest.approx(flops / TPU.attention["splash"])
+
+
+def test_a_tpu_estimate_says_its_rates_are_not_measured():
+    tally = speed.Tally(seconds=1.0, parts=collections.Counter({speed.MATMULS: 1.0}))
+    estimate = speed.SpeedEstimate(tally, tokens=16_000, devices=16, model_flops=1e15, peak=459e12, platform="tpu")
+    text = speed.format_estimate(estimate, "v5p")
+    assert "v5p: data-sheet rates at assumed shares, parallel/tpu_targets.py; not measured on a TPU" in text
+    assert "1,000 tokens/s per device" in text

@@ -26,6 +26,8 @@ PEAK_FLOPS = {
     "TPU v5p": 459e12,
     "TPU v6 lite": 918e12,
     "TPU v6e": 918e12,
+    "TPU v5": 459e12,  # v5p (after "TPU v5 lite")
+    "TPU7x": 2307e12 / 2,  # Ironwood: one of a chip's two devices
 }
 
 

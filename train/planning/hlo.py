@@ -19,6 +19,7 @@ ELEMENT_BYTES = {
 ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 F8 = re.compile(r"f8e\w+|f4e\w+")
 HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) .*\{$")
+CLOSING = re.compile(r"^\}(, [a-z_]+=\S+)?\s*$")  # a computation's end: '}', or '}, execution_thread="sparsecore"'
 INSTRUCTION = re.compile(r"^\s*(ROOT )?%?([\w.\-]+) = (.*)$")
 
 
@@ -123,8 +124,10 @@ def parse_instruction(line: str) -> Instruction | None:
 
 
 def parse(text: str) -> Module:
-    """The module in `text` (`compiled.as_text()` of a jitted program)."""
-    computations, entry, current = {}, None, None
+    """The module in `text` (`compiled.as_text()` of a jitted program). An instruction may span lines (a Pallas TPU
+    kernel's metadata holds newlines): a line that starts no instruction and is not a computation's closing brace
+    continues the one before."""
+    computations, entry, current, lines = {}, None, None, []
     for line in text.splitlines():
         if current is None:
             header = HEADER.match(line)
@@ -132,14 +135,15 @@ def parse(text: str) -> Module:
                 current = Computation(header.group(2), [])
                 entry = current.name if header.group(1) else entry
             continue
-        if line.startswith("}"):
+        if CLOSING.match(line):
+            current.instructions.extend(filter(None, map(parse_instruction, lines)))
             current.__post_init__()
             computations[current.name] = current
-            current = None
-            continue
-        instruction = parse_instruction(line)
-        if instruction is not None:
-            current.instructions.append(instruction)
+            current, lines = None, []
+        elif INSTRUCTION.match(line) or not lines:
+            lines.append(line)
+        else:
+            lines[-1] += " " + line.strip()
     if entry is None:
         raise ValueError("no ENTRY computation in the program text")
     return Module(computations, computations[entry])

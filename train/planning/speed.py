@@ -26,7 +26,7 @@ import numpy as np
 
 from parallel.kernels.flash3 import TARGETS as FLASH3_TARGETS
 from parallel.kernels.visible import FALLBACK
-from parallel.targets import Rates
+from parallel.rates import Rates
 from train.planning import hlo
 from train.planning.flops import PEAK_FLOPS, flops_per_token
 
@@ -36,6 +36,10 @@ FREE = {
 }  # fmt: skip
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 GEMMS = ("__cublas$gemm", "__cublas$lt$matmul")
+MOSAIC_TPU = "tpu_custom_call"  # a Pallas TPU kernel (its name is the instruction's)
+# FLOPs of a splash attention call (parallel/kernels/splash.py) as a multiple of its forward's: the matmuls each
+# kernel computes (its dq kernel recomputes the scores and dP; its dk / dv kernel both, then dV and dK)
+SPLASH_CALLS = {"splash_mha_fwd": 1.0, "splash_mha_dq": 1.5, "splash_mha_dkv": 2.0}
 # FLOPs of an attention call as a multiple of its forward's, counting a backward as 2.5 forwards as the measured
 # rates do: cuDNN's backward is one call, Pallas' two (dK / dV, then dQ)
 # (Mosaic GPU's kernels split dK / dV into dK and dV at the widest heads: parallel/kernels/mosaic.py)
@@ -107,6 +111,8 @@ class Estimator:
     def __init__(self, module: hlo.Module, rates: Rates, hosts: list[int]):
         self.module, self.rates, self.hosts = module, rates, hosts
         self.memo: dict[str, Tally] = {}
+        # a TPU's copy-start moves data between its memories (HBM, VMEM) on DMA engines, beside the compute
+        self.free = FREE | ({"copy-start"} if rates.platform == "tpu" else set())
 
     def computation(self, name: str) -> Tally:
         """The schedule of computation `name`, walked on a compute and a collective stream."""
@@ -116,9 +122,9 @@ class Estimator:
         tally, clock, link, pending = Tally(), 0.0, 0.0, {}
         for instruction in computation.instructions:
             op = instruction.opcode
-            if op in FREE:
+            if op in self.free:
                 continue
-            if sub := self.control(instruction):
+            if sub := self.control(instruction, computation):
                 clock += sub.seconds
                 tally.add(sub)
             elif (kind := _collective(instruction, self.module)) is not None:
@@ -145,14 +151,14 @@ class Estimator:
         self.memo[name] = tally
         return tally
 
-    def control(self, instruction: hlo.Instruction) -> Tally | None:
+    def control(self, instruction: hlo.Instruction, computation: hlo.Computation) -> Tally | None:
         """The cost of a loop (its body x the trip count), conditional (its costliest branch that is not a
         fallback) or call; None for other instructions."""
         op = instruction.opcode
         if op == "while":
-            trips = instruction.attribute(TRIPS.pattern)
+            trips = self.trip_count(instruction, computation)
             tally = Tally(unknown_loops=int(trips is None))
-            tally.add(self.computation(instruction.called("body")[0]), int(trips or 1))
+            tally.add(self.computation(instruction.called("body")[0]), trips or 1)
             return tally
         if op == "conditional":
             branches = instruction.called("branch_computations") or (
@@ -165,6 +171,28 @@ class Estimator:
             return self.computation(names[0]) if names else None
         return None
 
+    def trip_count(self, loop: hlo.Instruction, computation: hlo.Computation) -> int | None:
+        """The trip count XLA's GPU compiler writes on a while loop; else (the TPU compiler's) one read from its
+        condition, `counter < constant` with the counter's start a constant of the loop's initial tuple (or 0);
+        None when the count is decided at run time."""
+        if (known := loop.attribute(TRIPS.pattern)) is not None:
+            return int(known)
+        condition = self.module.computations[loop.called("condition")[0]]
+        root = condition.root
+        sides = [condition.by_name.get(name) for name in root.operands]
+        if root.opcode != "compare" or "direction=LT" not in root.attributes or None in sides or len(sides) != 2:
+            return None
+        counter, limit = sides
+        if counter.opcode != "get-tuple-element" or limit.opcode != "constant":
+            return None
+        element = int(counter.attribute(r"index=(\d+)") or 0)
+        start = 0
+        initial = computation.by_name.get(loop.operands[0]) if loop.operands else None
+        if initial is not None and initial.opcode == "tuple" and element < len(initial.operands):
+            first = computation.by_name.get(initial.operands[element])
+            start = int(first.operand_text) if first is not None and first.opcode == "constant" else 0
+        return max(int(limit.operand_text) - start, 0)
+
     def fallback(self, name: str) -> bool:
         """Whether a branch computation runs a kernel's run-time fallback (its ops in the FALLBACK scope)."""
         return any(f"/{FALLBACK}/" in i.op_name for i in self.module.computations[name].instructions)
@@ -172,17 +200,18 @@ class Estimator:
     def kernel(self, instruction: hlo.Instruction, computation: hlo.Computation) -> tuple[str, float, float]:
         """(part, FLOPs, seconds) of one kernel: a fusion, a custom call or an unfused op."""
         rates, op = self.rates, instruction.opcode
+        target = instruction.attribute(r'custom_call_target="([^"]+)"') or ""
         scope = SCOPE.findall(instruction.op_name)
         kernel, visible = (scope[-1][0], float(scope[-1][1])) if scope else (None, 1.0)
-        target = instruction.attribute(r'custom_call_target="([^"]+)"') or ""
         flops, rate, part = 0.0, rates.matmul, MEMORY_BOUND
         if op == "custom-call" and (multiple := _attention_multiple(instruction, target)):
             flops = visible * multiple * _attention_flops(instruction, computation, target)
-            rate, part = rates.attention.get(kernel or "cudnn", rates.attention["cudnn"]), ATTENTION
+            default = next(iter(rates.attention))
+            rate, part = rates.attention.get(kernel or default, rates.attention[default]), ATTENTION
         else:
             if op == "custom-call" and target.startswith(GEMMS):
                 flops = _gemm_flops(instruction, computation)
-            elif op in ("fusion", "fusion-start", "dot"):
+            elif op in ("fusion", "fusion-start", *MATMUL_OPS):
                 flops = self.dot_flops(instruction, computation)
             if flops and kernel:  # a kernel's own matmuls (the blockwise kernel's): at its rate, on what it sees
                 flops, rate, part = visible * flops, rates.attention.get(kernel, rates.matmul), ATTENTION
@@ -195,14 +224,14 @@ class Estimator:
 
     def dot_flops(self, instruction: hlo.Instruction, computation: hlo.Computation) -> float:
         """FLOPs of the dots of an unfused dot or of a fusion's computation (2 per multiply-add)."""
-        if instruction.opcode == "dot":
-            return _dot_flops(instruction, computation)
+        if instruction.opcode in MATMUL_OPS:
+            return MATMUL_OPS[instruction.opcode](instruction, computation)
         total = 0.0
         for name in instruction.called("calls"):
             fused = self.module.computations[name]
             for inner in fused.instructions:
-                if inner.opcode == "dot":
-                    total += _dot_flops(inner, fused)
+                if inner.opcode in MATMUL_OPS:
+                    total += MATMUL_OPS[inner.opcode](inner, fused)
                 elif inner.opcode == "fusion":
                     total += self.dot_flops(inner, fused)
         return total
@@ -279,6 +308,53 @@ def _dot_flops(instruction: hlo.Instruction, computation: hlo.Computation) -> fl
     return 2.0 * math.prod(instruction.shape[0].dims) * contracted
 
 
+def _convolution_flops(instruction: hlo.Instruction, computation: hlo.Computation) -> float:
+    """2 x the multiply-adds of a convolution (the TPU compiler's form of a dot) as XLA's cost analysis counts them:
+    input features per group x output features x batch per batch group x, per spatial dimension, the (output, window)
+    position pairs that fall inside the (dilated) input rather than its padding."""
+    labels = instruction.attribute(r"dim_labels=(\w+)->\w+")
+    if labels is None:
+        return 0.0
+    lhs_labels, rhs_labels = labels.split("_")
+    lhs, rhs = (_dims(name, computation) for name in instruction.operands[:2])
+    out = instruction.shape[0].dims
+    out_labels = instruction.attribute(r"dim_labels=\w+->(\w+)")
+    groups = int(instruction.attribute(r"feature_group_count=(\d+)") or 1)
+    batch_groups = int(instruction.attribute(r"batch_group_count=(\d+)") or 1)
+    window = _window(instruction.attribute(r"window=\{([^}]*)\}") or "")
+    pairs = 1
+    for axis, label in enumerate(d for d in rhs_labels if d.isdigit()):
+        size = rhs[rhs_labels.index(label)]
+        field = window[axis] if axis < len(window) else {}
+        stride, (low, _) = field.get("stride", 1), field.get("pad", (0, 0))
+        dilation, base = field.get("rhs_dilate", 1), field.get("lhs_dilate", 1)
+        outputs, inputs = out[out_labels.index(label)], lhs[lhs_labels.index(label)]
+        position = np.arange(outputs)[:, None] * stride - low + np.arange(size)[None, :] * dilation
+        inside = (position >= 0) & (position % base == 0) & (position // base < inputs)
+        pairs *= int(inside.sum())
+    features = lhs[lhs_labels.index("f")] // groups
+    batch = lhs[lhs_labels.index("b")] // batch_groups
+    return 2.0 * features * rhs[rhs_labels.index("o")] * batch * pairs
+
+
+def _window(text: str) -> list[dict]:
+    """A convolution's window text ('size=4x1 pad=3_3x0_0 stride=2x1 rhs_reversal=1x0') -> per spatial dimension
+    {size, stride, pad: (low, high), lhs_dilate, rhs_dilate}."""
+    fields = dict(part.split("=") for part in text.split() if "=" in part)
+    count = len(fields.get("size", "").split("x")) if "size" in fields else 0
+    result = [{} for _ in range(count)]
+    for key in ("size", "stride", "lhs_dilate", "rhs_dilate"):
+        for axis, value in enumerate(fields.get(key, "").split("x") if key in fields else []):
+            result[axis][key] = int(value)
+    for axis, value in enumerate(fields.get("pad", "").split("x") if "pad" in fields else []):
+        low, high = value.split("_")
+        result[axis]["pad"] = (int(low), int(high))
+    return result
+
+
+MATMUL_OPS = {"dot": _dot_flops, "convolution": _convolution_flops}
+
+
 def _gemm_flops(instruction: hlo.Instruction, computation: hlo.Computation) -> float:
     """2 x result elements x contracted elements of a cuBLAS call (its dot dimensions in the backend config)."""
     contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
@@ -294,6 +370,8 @@ def _attention_multiple(instruction: hlo.Instruction, target: str) -> float:
         return 2.5 if "Backward" in target else 1.0
     if target in FLASH3_TARGETS:
         return 2.5 if target == FLASH3_TARGETS[1] else 1.0
+    if target == MOSAIC_TPU:
+        return next((m for name, m in SPLASH_CALLS.items() if instruction.name.startswith(name + "_")), 0.0)
     for name, multiple in ATTENTION_CALLS.items():
         if f"/{name}/" in instruction.op_name:
             return multiple
@@ -303,7 +381,13 @@ def _attention_multiple(instruction: hlo.Instruction, target: str) -> float:
 def _attention_flops(instruction: hlo.Instruction, computation: hlo.Computation, target: str) -> float:
     """Dense forward FLOPs of an attention call on q [b, tq, h, dqk], k [b, tk, hk, dqk], v [b, tk, hk, dv]:
     QK^T and PV, 2 per multiply-add. A FlashAttention-3 call holds its b rows flattened, q [b tq, h, d] (its operand
-    0 is dout in the backward: the same shape), and names b in its scope (parallel/kernels/flash3.py)."""
+    0 is dout in the backward: the same shape), and names b in its scope (parallel/kernels/flash3.py). A splash call
+    takes its block tables first and q, k, v heads first, [b, h, t, d] ([h, t, d] for one row): its first three
+    floating operands."""
+    if target == MOSAIC_TPU:
+        arrays = [computation.by_name[o].shape[0] for o in instruction.operands if o in computation.by_name]
+        q, k, v = [a.dims for a in arrays if a.dtype[0] in "fb" and len(a.dims) >= 3][:3]  # [(b,) h, t, d]
+        return 2.0 * math.prod(q[:-1]) * k[-2] * (q[-1] + v[-1])
     shapes = [_dims(o, computation) for o in instruction.operands[:3]]
     if len(shapes[0]) == 3:
         rows = int((ROWS.findall(instruction.op_name) or ["1"])[-1])
@@ -323,6 +407,7 @@ class SpeedEstimate:
     devices: int
     model_flops: float
     peak: float
+    platform: str = "gpu"
 
     @property
     def seconds(self) -> float:
@@ -349,7 +434,7 @@ def schedule_cost(text: str, rates: Rates, hosts: list[int]) -> Tally:
 
 
 def estimate_plan(plan, rates: Rates) -> SpeedEstimate:
-    """The speed estimate of a GPU memory plan's compiled step (train.planning.memory.MemoryPlan) at `rates`."""
+    """The speed estimate of a memory plan's compiled step (train.planning.memory.MemoryPlan) at `rates`."""
     config = plan.config
     tokens = config.train.batch_size * config.data.seq_len
     peak = next((f for kind, f in PEAK_FLOPS.items() if plan.device_kind.startswith(kind)), PEAK_FLOPS["NVIDIA H100"])
@@ -359,6 +444,7 @@ def estimate_plan(plan, rates: Rates) -> SpeedEstimate:
         devices=plan.devices,
         model_flops=flops_per_token(config.model, config.data.seq_len) * tokens,
         peak=peak,
+        platform=rates.platform,
     )
 
 
@@ -380,10 +466,16 @@ def format_estimate(estimate: SpeedEstimate, target: str) -> str:
         f"; {tally.unknown_loops} loops whose trip count is decided at run time, counted once (the blockwise "
         "kernel's block loops: its attention is not all counted)"
     ) * bool(tally.unknown_loops)
+    rates = (
+        f"{target} rates, parallel/targets.py"
+        if estimate.platform == "gpu"
+        else f"{target}: data-sheet rates at assumed shares, parallel/tpu_targets.py; not measured on a TPU"
+    )
+    device = "GPU" if estimate.platform == "gpu" else "device"
     return "\n".join(
         [
-            f"speed estimate ({target} rates, parallel/targets.py; from the compiled schedule): step "
-            f"{estimate.seconds:.3g} s, {estimate.tokens_per_second_per_device:,.0f} tokens/s per GPU, MFU "
+            f"speed estimate ({rates}; from the compiled schedule): step "
+            f"{estimate.seconds:.3g} s, {estimate.tokens_per_second_per_device:,.0f} tokens/s per {device}, MFU "
             f"{estimate.mfu:.1%} (model FLOPs of one document per row, peak {estimate.peak / 1e12:.0f} TFLOP/s)",
             f"  where the step goes: {top}",
             f"  collectives (on their own stream): {collectives or 'none'}",
