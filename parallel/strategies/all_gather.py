@@ -59,7 +59,8 @@ def attention(q, k, v, *, segment_ids, causal, scale, window, sinks, parallelism
         exchange = dict(axis=axis, shards=shards, index=index, found=found, options=options, parallelism=parallelism)
         return run_sharded(functools.partial(halo.halo_local, **exchange), mesh, axis, q, k, v, segment_ids, sinks)
     by_chunks = in_order and chunked and window is None
-    keys_in_order = chosen_kernel(parallelism).name == "splash" and shards > 1 and parallelism.layout != "contiguous"
+    fixed_masks = chosen_kernel(parallelism).name in kernels.FIXED_MASKS
+    keys_in_order = fixed_masks and shards > 1 and parallelism.layout != "contiguous"
 
     def local(q, k, v, seg, sinks):
         k_all, v_all, seg_all = (lax.all_gather(x, axis, axis=1, tiled=True) for x in (k, v, seg))

@@ -226,3 +226,12 @@ def test_a_tpu_estimate_says_its_rates_are_not_measured():
     text = speed.format_estimate(estimate, "v5p")
     assert "v5p: data-sheet rates at assumed shares, parallel/tpu_targets.py; not measured on a TPU" in text
     assert "1,000 tokens/s per device" in text
+
+
+def test_a_tpu_copy_or_slice_on_its_dma_engines_costs_no_compute_time():
+    copies = (
+        "  %c = (bf16[8192,8192]{1,0}, bf16[8192,8192]{1,0}, u32[]) copy-start(%a)\n"
+        "  %s = ((bf16[8192,8192]{1,0}), bf16[1,8192]{1,0}, s32[]) slice-start(%b), slice={[0:1], [0:8192]}\n"
+    )
+    assert speed.schedule_cost(program(copies), TPU, [0] * 8).seconds == 0.0
+    assert cost(program(copies)).seconds > 0.0  # a GPU's copy-start is a kernel

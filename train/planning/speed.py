@@ -111,8 +111,9 @@ class Estimator:
     def __init__(self, module: hlo.Module, rates: Rates, hosts: list[int]):
         self.module, self.rates, self.hosts = module, rates, hosts
         self.memo: dict[str, Tally] = {}
-        # a TPU's copy-start moves data between its memories (HBM, VMEM) on DMA engines, beside the compute
-        self.free = FREE | ({"copy-start"} if rates.platform == "tpu" else set())
+        # a TPU's copy-start and slice-start move data (between its memories, out of an array) on DMA engines,
+        # beside the compute
+        self.free = FREE | ({"copy-start", "slice-start"} if rates.platform == "tpu" else set())
 
     def computation(self, name: str) -> Tally:
         """The schedule of computation `name`, walked on a compute and a collective stream."""
