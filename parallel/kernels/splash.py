@@ -70,6 +70,10 @@ class IndexMask(splash_mask.Mask):
         q, kv = self.q_index[rows][:, None], self.kv_index[cols][None, :]
         if not self.causal:
             return np.ones((q.size, kv.size), bool)
+        if kv.min() > q.max():  # a block no query sees
+            return np.zeros((q.size, kv.size), bool)
+        if self.window is None and kv.max() <= q.min():  # a block every query sees whole (most of a long row's)
+            return np.ones((q.size, kv.size), bool)
         visible = kv <= q
         return visible if self.window is None else visible & (kv > q - self.window)
 
