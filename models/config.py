@@ -141,8 +141,8 @@ class ComputeConfig:
     """How the model computes, not what it is: a run may change these between restarts."""
 
     dtype: str = "auto"  # compute dtype; auto = bfloat16 on GPU/TPU, float32 on CPU
-    # full | none | save_dots | save_projections | offload_projections (models/remat.py): what each scanned block
-    # keeps for the backward pass
+    # full | none | save_dots | save_projections | save_attention | offload_projections (models/remat.py): what each
+    # scanned block keeps for the backward pass
     remat_policy: str = "full"
     loss_chunk_size: int = 1024  # at most this many tokens per device per cross-entropy chunk (no [length, vocab])
 

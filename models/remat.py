@@ -8,12 +8,16 @@ What a block keeps from its forward pass for the backward pass:
 - save_projections: the outputs named in PROJECTIONS (tagged with `jax.ad_checkpoint.checkpoint_name`)
 - offload_projections: the same outputs, moved to pinned host memory in the forward pass and brought back
   for the backward pass; needs a backend with host offload (GPU, TPU)
+- save_attention: each attention call's output and log-sum-exp (parallel/kernels/saved.py): the backward
+  recomputes the block's projections and MLP but not its attention, the costliest part at long context, for
+  tokens x heads x (head width in the compute dtype + 4 bytes) a layer
 """
 
 from __future__ import annotations
 
 import jax
 
+from parallel.kernels import saved
 from parallel.parallelism import current_parallelism
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "kv_a_proj", "mlp_gate", "mlp_up", "mlp_down")
@@ -23,6 +27,7 @@ POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "save_dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "save_projections": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS),
+    "save_attention": jax.checkpoint_policies.save_only_these_names(*saved.NAMES),
     "offload_projections": jax.checkpoint_policies.save_and_offload_only_these_names(
         names_which_can_be_saved=(),
         names_which_can_be_offloaded=PROJECTIONS,

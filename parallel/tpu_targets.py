@@ -25,8 +25,11 @@ GiB = 1 << 30
 
 # The shares of a data sheet's rates the speed estimate assumes a TPU sustains: none is measured on a TPU here.
 MATMUL_SHARE = 0.8  # large bfloat16 matmuls (an H200 measured 72% of its peak: parallel/targets.py)
-SPLASH_SHARE = 0.5  # splash attention's kernels, on the matmuls each computes (MaxText's 52% MFU at 32K on v5p
-# with splash bounds it from below at long context)
+# Splash attention's kernels, on the matmuls each computes: MaxText's published v5p runs (53% MFU at 64K, about half of
+# it attention) imply 51-60% with tuned blocks of 1-2K, a fused backward and the output saved; 50%, since ours run
+# blocks of 512 and dq as its own kernel. Ironwood measured 34% forward and 37% backward at 128K with heads of 128
+# (tokamax's splash microbenchmarks): `TpuTarget.splash`.
+SPLASH_SHARE = 0.5
 BLOCKWISE_SHARE = 24 / 708  # the blockwise kernel against large matmuls, as an H200 measured them
 MEMORY_SHARE = 0.75  # HBM (an H200 measured 3.6 of 4.8 TB/s)
 ICI_SHARE = 0.8  # of one torus dimension's links, which a collective over one mesh axis uses
@@ -37,7 +40,8 @@ class TpuTarget:
     """A TPU generation to compile for: `topology` libtpu's name for it, `host` the chips a host holds (x, y, z),
     `torus` the dimensions of a slice (2 or 3), `devices_per_chip` the JAX devices a chip is, `memory` the HBM bytes
     of one device (the data sheet's per chip over devices_per_chip). From the data sheet, per chip: `peak` bfloat16
-    FLOP/s, `bandwidth` HBM bytes/s, `ici` bytes/s over all its inter-chip links."""
+    FLOP/s, `bandwidth` HBM bytes/s, `ici` bytes/s over all its inter-chip links; `splash` the share of peak splash's
+    kernels sustain."""
 
     name: str
     topology: str
@@ -48,6 +52,7 @@ class TpuTarget:
     peak: float
     bandwidth: float
     ici: float
+    splash: float = SPLASH_SHARE
     platform = "tpu"
 
     @property
@@ -59,7 +64,7 @@ class TpuTarget:
         ici = self.ici * per_device / self.torus * ICI_SHARE
         return Rates(
             matmul=peak * MATMUL_SHARE,
-            attention={"splash": peak * SPLASH_SHARE, "blockwise": peak * MATMUL_SHARE * BLOCKWISE_SHARE},
+            attention={"splash": peak * self.splash, "blockwise": peak * MATMUL_SHARE * BLOCKWISE_SHARE},
             memory=self.bandwidth * per_device * MEMORY_SHARE,
             nvlink=ici,
             network=ici,
@@ -73,7 +78,7 @@ TPU_TARGETS = {
     "v5p": TpuTarget("v5p", "v5p", (2, 2, 1), 3, 1, 95 * GiB, 459e12, 2765e9, 4800e9 / 8),
     "v6e": TpuTarget("v6e", "v6e", (2, 4, 1), 2, 1, 32 * GiB, 918e12, 1640e9, 3584e9 / 8),
     # Ironwood: 192 GiB a chip, two devices; 4,614 TFLOP/s in fp8, half that in bfloat16; 1.2 TB/s of ICI
-    "tpu7x": TpuTarget("tpu7x", "tpu7x", (2, 2, 1), 3, 2, 96 * GiB, 2307e12, 7370e9, 1200e9),
+    "tpu7x": TpuTarget("tpu7x", "tpu7x", (2, 2, 1), 3, 2, 96 * GiB, 2307e12, 7370e9, 1200e9, splash=0.35),
 }
 
 

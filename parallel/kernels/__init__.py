@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from parallel.kernels import blockwise, cudnn, flash3, packed, pallas, splash, visible
+from parallel.kernels import blockwise, cudnn, flash3, packed, pallas, saved, splash, visible
 from parallel.kernels import sinks as attention_sinks
 from parallel.kernels.arguments import Options, Tokens
 
@@ -35,11 +35,14 @@ class Kernel(NamedTuple):
     """forward(q, k, v, q_tokens, kv_tokens, *, options, out_dtype=None) -> (out, lse); backward(q, k, v, q_tokens,
     kv_tokens, out, lse, dout, dlse, *, options, grad_dtype=None, accumulate=None) -> (dq, dk, dv), or given running
     sums accumulate=(dq, dk, dv), those sums plus them: parallel.kernels.blockwise.forward / backward's signatures,
-    with Tokens and Options all given."""
+    with Tokens and Options all given. `takes_delta`: whether backward also takes `delta=` [batch, tq, heads], the
+    rows' rowsum(dout * out) - dlse, in place of out and dlse (a ring computes it once and keeps no out): blockwise,
+    Pallas and splash do; the kernels on packed rows read out itself."""
 
     name: str
     forward: Callable
     backward: Callable
+    takes_delta: bool = False
 
 
 def select(
@@ -68,7 +71,7 @@ def select(
             )
         forward = functools.partial(splash.forward, interpret=interpret)
         backward = functools.partial(splash.backward, interpret=interpret)
-        return _named("splash", _or(forward, BLOCKWISE), _or(backward, BLOCKWISE, "backward"))
+        return _named("splash", _or(forward, BLOCKWISE), _or(backward, BLOCKWISE, "backward"), takes_delta=True)
     if kernel == "cudnn":
         if backend != "gpu" or not hopper(backend, capability):
             where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
@@ -97,6 +100,7 @@ def select(
         "pallas",
         functools.partial(pallas.forward, interpret=interpret, hopper=on_hopper),
         functools.partial(pallas.backward, interpret=interpret, hopper=on_hopper),
+        takes_delta=True,
     )
 
 
@@ -109,12 +113,12 @@ def _packed(name: str, module, backend: str, capability: str | None, interpret: 
     return _named(name, _or(forward, general), _or(backward, general, "backward"))
 
 
-def _named(name: str, forward: Callable, backward: Callable) -> Kernel:
+def _named(name: str, forward: Callable, backward: Callable, takes_delta: bool = False) -> Kernel:
     """The Kernel `name`, each call run in the scope naming it and its visible share (parallel/kernels/visible.py)."""
-    return Kernel(name, visible.named(name, forward), visible.named(name, backward))
+    return Kernel(name, visible.named(name, forward), visible.named(name, backward), takes_delta)
 
 
-BLOCKWISE = _named("blockwise", blockwise.forward, blockwise.backward)
+BLOCKWISE = _named("blockwise", blockwise.forward, blockwise.backward, takes_delta=True)
 
 
 def general_kernel(kernel: str, backend: str | None = None) -> str:
@@ -240,7 +244,7 @@ class Residuals(NamedTuple):
 def _attention_fwd(impl, options, static, *args):
     """The forward given each input as JAX's CustomVJPPrimal (symbolic zeros are on: see _attention_bwd)."""
     q, k, v, q_tokens, kv_tokens = jax.tree.map(lambda x: x.value, args, is_leaf=_primal)
-    out, lse = impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options)
+    out, lse = saved.named(*impl.forward(q, k, v, *_sides(static, q_tokens, kv_tokens), options=options))
     return (out, lse), Residuals(q, k, v, q_tokens, kv_tokens, out, lse)
 
 

@@ -191,12 +191,13 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
 
 def backward(
     q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, grad_dtype=None,
-    accumulate=None,
+    accumulate=None, delta=None,
 ):  # fmt: skip
     """Gradients (dq, dk, dv) of `forward` (the same q, k, v, tokens and options) given its final out [batch, tq,
     heads, dv] / lse [batch, tq, heads] and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes
     of q, k, v); or, given `accumulate` = (dq, dk, dv) running sums (a ring's), those sums with this call's gradients
-    added, in their dtypes, updated in place (no per-call gradient arrays).
+    added, in their dtypes, updated in place (no per-call gradient arrays). `delta` [batch, tq, heads] float32: the
+    rows' delta (below) computed by the caller once for many calls, out and dlse then unused (None).
 
     One pass over key blocks; for each, the visible query blocks update dk/dv locally and dq in place, and the
     finished dk/dv block is added into dk/dv.
@@ -207,7 +208,7 @@ def backward(
     # d score_ij = p_ij (dp_ij - delta_i) with delta_i = sum_j p_ij dp_ij = dout_i . out_i. When lse is an output
     # too (a ring step's partial lse feeds the merge), d lse_i / d score_ij = p_ij adds p_ij dlse_i to d score_ij:
     # the same form with delta_i - dlse_i, so both gradients flow through one pass.
-    delta = backward_delta(out, dout, dlse)  # [batch, tq, heads]
+    delta = backward_delta(out, dout, dlse) if delta is None else delta  # [batch, tq, heads]
     scale = options.scale
     bq, _ = padded_blocks(tq, options.block_q)
     bk, nk = padded_blocks(tk, options.block_kv)

@@ -58,7 +58,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from parallel import compat
+from parallel import anchored, compat
 from parallel.kernels import blockwise, packed
 from parallel.kernels.arguments import Options, Tokens
 from parallel.kernels.packed import ALL_VISIBLE, DIAGONAL, Unservable  # noqa: F401 (cudnn.Unservable, as callers name it)
@@ -100,7 +100,7 @@ def lse_from_stats(stats, meta: packed.Metadata):
 
 def stats_from_lse(lse, meta: packed.Metadata, rows: int):
     """lse [batch, tq, heads] -> stats [rows, heads, tq] float32 (zeros where no token maps)."""
-    stats = packed.full(lse, (rows, lse.shape[2], lse.shape[1]), 0, jnp.float32)
+    stats = anchored.full(lse, (rows, lse.shape[2], lse.shape[1]), 0, jnp.float32)
     return stats.at[meta.q_row, :, meta.q_pos].set(lse.astype(jnp.float32), mode="drop")
 
 

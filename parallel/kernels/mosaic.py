@@ -385,13 +385,13 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, i
 
 def backward(
     q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, interpret=None,
-    grad_dtype=None,
+    grad_dtype=None, delta=None,
 ):  # fmt: skip
     """parallel.kernels.blockwise.backward's arguments and results: (dq, dk, dv) of `forward` given its final out /
-    lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k, v)."""
+    lse and their cotangents (dlse may be None) or the rows' `delta`, in `grad_dtype` (default: q, k, v's dtypes)."""
     (batch, tq, heads, dqk), (_, tk, kv_heads, dv) = q.shape, v.shape
     # d score = p (dp - delta), delta = dout . out - dlse (see parallel.kernels.blockwise.backward)
-    delta = backward_delta(out, dout, dlse)
+    delta = backward_delta(out, dout, dlse) if delta is None else delta
     dq_dtype, dk_dtype, dv_dtype = (grad_dtype or x.dtype for x in (q, k, v))
     x = _operands(q, k, v, q_tokens, kv_tokens)
     (_, tq_pad, _, dqk_pad), (_, tk_pad, _, dv_pad), dtype = x.q.shape, x.v.shape, q.dtype

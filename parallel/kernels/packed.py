@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from parallel.anchored import full
 from parallel.kernels.arguments import Options, Tokens
 from parallel.rounding import round_up
 from parallel.segments import INT32_MAX, seqlens_offsets
@@ -215,14 +216,8 @@ def tied(q, *segment_ids):
     return lax.optimization_barrier((q, *segment_ids))
 
 
-def full(anchor, shape, value, dtype):
-    """jnp.full(shape, value, dtype) derived from the operand `anchor`, so it is recomputed where it is used rather
-    than kept as a residual of the call's switch (module docstring)."""
-    return jnp.broadcast_to(lax.optimization_barrier((anchor, jnp.asarray(value, dtype)))[1], shape)
-
-
 def where(valid, x, value):
-    """x where `valid` (broadcast), else `value`, the fill derived from x (see _full)."""
+    """x where `valid` (broadcast), else `value`, the fill made from x (`full`): recomputed with the layer."""
     return jnp.where(valid, x, full(x, (), value, x.dtype))
 
 

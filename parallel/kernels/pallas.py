@@ -229,24 +229,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_refs: Tokens, 
 
 def backward(
     q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, interpret=False,
-    grad_dtype=None, accumulate=None, hopper=False,
+    grad_dtype=None, accumulate=None, hopper=False, delta=None,
 ):  # fmt: skip
     """parallel.kernels.blockwise.backward's arguments and results, as Pallas kernels: (dq, dk, dv) of `forward`
     given its final out / lse and their cotangents (dlse may be None), in `grad_dtype` (default: the dtypes of q, k,
     v); or, given `accumulate` = (dq, dk, dv) running sums, those sums with them added, in their dtypes. `hopper`:
-    on Mosaic GPU where it serves the call."""
+    on Mosaic GPU where it serves the call. `delta`: the rows' delta given instead of out / dlse (as blockwise's)."""
     if accumulate is not None:
         args = (q, k, v, q_tokens, kv_tokens, out, lse, dout, dlse)
-        grads = backward(*args, options=options, interpret=interpret, grad_dtype=jnp.float32, hopper=hopper)
+        kwargs = dict(options=options, interpret=interpret, grad_dtype=jnp.float32, hopper=hopper, delta=delta)
+        grads = backward(*args, **kwargs)
         return tuple((total + g).astype(total.dtype) for total, g in zip(accumulate, grads, strict=True))
     if hopper and not interpret and mosaic.serves(q, k, v, jnp.dtype(grad_dtype or q.dtype).itemsize):
         args = (q, k, v, q_tokens, kv_tokens, out, lse, dout, dlse)
-        return mosaic.backward(*args, options=options, grad_dtype=grad_dtype)
+        return mosaic.backward(*args, options=options, grad_dtype=grad_dtype, delta=delta)
     batch, tq, heads, dqk = q.shape
     tk, kv_heads, dv = k.shape[1], k.shape[2], v.shape[-1]
     group = heads // kv_heads
     # d score = p (dp - delta), delta = dout . out - dlse (see parallel.kernels.blockwise.backward)
-    delta = backward_delta(out, dout, dlse)
+    delta = backward_delta(out, dout, dlse) if delta is None else delta
     dtypes = (q.dtype, k.dtype, v.dtype)
     bq, bk, dkdv_params = _config("dkdv", q, k, v, options)
     bq_dq, bk_dq, dq_params = _config("dq", q, k, v, options)

@@ -245,25 +245,27 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
         block_sizes=_block_sizes(lay), residual_checkpoint_name=None, save_residuals=True,
         mask_function=call.mask_function, interpret=interpret,
     )  # fmt: skip
-    operands = (_heads_first(_scaled(q, options), lay.tq), _heads_first(k, lay.tk), _heads_first(v, lay.tk))
-    out, (lse,) = jax.vmap(lambda q_, k_, v_, seg: run(q_, k_, v_, seg))(*operands, _segments(q_tokens, kv_tokens, lay))
+    out, (lse,) = jax.vmap(run)(*_operands(q, k, v, q_tokens, kv_tokens, lay, options))
     seen = lse > EMPTY
     out = jnp.where(seen[..., None], out, 0).astype(out_dtype or q.dtype)
     return _tokens_first(out, tq), _tokens_first(jnp.where(seen, lse, -jnp.inf), tq)
 
 
-def _scaled(q, options: Options):
-    """q times the call's scale (splash takes unscaled logits), in q's dtype."""
-    return (q.astype(jnp.float32) * options.scale).astype(q.dtype)
+def _operands(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lay: Layout | Dynamic, options: Options):
+    """(q, k, v [batch, heads, padded t, d], SegmentIds) as splash takes them: q times the call's scale (splash takes
+    unscaled logits), in q's dtype."""
+    scaled = (q.astype(jnp.float32) * options.scale).astype(q.dtype)
+    padded = (_heads_first(scaled, lay.tq), _heads_first(k, lay.tk), _heads_first(v, lay.tk))
+    return (*padded, _segments(q_tokens, kv_tokens, lay))
 
 
 def backward(
     q, k, v, q_tokens: Tokens, kv_tokens: Tokens, out, lse, dout, dlse, *, options: Options, grad_dtype=None,
-    accumulate=None, interpret=False,
+    accumulate=None, interpret=False, delta=None,
 ):  # fmt: skip
     """parallel.kernels.blockwise.backward's arguments and results: (dq, dk, dv) given the final out / lse and their
-    cotangents (dlse may be None), in `grad_dtype` (default: q, k, v's dtypes), or added into `accumulate` sums in
-    their dtypes. Raises Unservable as `forward` does."""
+    cotangents (dlse may be None) or the rows' `delta`, in `grad_dtype` (default: q, k, v's dtypes), or added into
+    `accumulate` sums in their dtypes. Raises Unservable as `forward` does."""
     tq, heads = q.shape[1:3]
     tk = k.shape[1]
     call = plan(q_tokens, kv_tokens, heads, options)
@@ -273,7 +275,8 @@ def backward(
     lay = call.lay
     rows = jnp.where(jnp.isfinite(lse), lse, jnp.inf)  # a row that saw no key: p = exp(score - inf) = 0
     rows = jnp.pad(rows, ((0, 0), (0, lay.tq - tq), (0, 0)), constant_values=jnp.inf).transpose(0, 2, 1)
-    delta = jnp.pad(backward_delta(out, dout, dlse), ((0, 0), (0, lay.tq - tq), (0, 0))).transpose(0, 2, 1)
+    delta = backward_delta(out, dout, dlse) if delta is None else delta
+    delta = jnp.pad(delta, ((0, 0), (0, lay.tq - tq), (0, 0))).transpose(0, 2, 1)
     shared = dict(
         bq=lay.block_q, bkv=lay.block_kv, is_mqa=False, mask_value=MASK_VALUE, attn_logits_soft_cap=None,
         mask_function=call.mask_function, interpret=interpret, q_layout=HEAD_DIM_MINOR, k_layout=HEAD_DIM_MINOR,
@@ -289,9 +292,8 @@ def backward(
         )
         return dq, dk, dv
 
-    operands = (_heads_first(_scaled(q, options), lay.tq), _heads_first(k, lay.tk), _heads_first(v, lay.tk))
-    segments = _segments(q_tokens, kv_tokens, lay)
-    dq, dk, dv = jax.vmap(grads)(*operands, segments, rows, _heads_first(dout, lay.tq), delta)
+    operands = _operands(q, k, v, q_tokens, kv_tokens, lay, options)
+    dq, dk, dv = jax.vmap(grads)(*operands, rows, _heads_first(dout, lay.tq), delta)
     found = (_tokens_first(dq.astype(jnp.float32) * options.scale, tq), _tokens_first(dk, tk), _tokens_first(dv, tk))
     return _gradients(found, (q, k, v), grad_dtype, accumulate)
 

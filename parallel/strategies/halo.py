@@ -26,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from parallel import kernels
-from parallel.kernels import Options, Tokens
+from parallel.kernels import Options, Tokens, saved
 from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
 from parallel.segments import INT32_MAX
@@ -90,7 +90,7 @@ class Residuals(NamedTuple):
     halo_kv: tuple[jax.Array, jax.Array]  # (k, v) [batch, width, kv_heads, d]: the received rows, all shifts
     seg: jax.Array  # [batch, n] int32 segment ids of the local piece
     halo_seg: jax.Array  # [batch, width] int32 of the received rows (0: padding)
-    out: jax.Array  # [batch, n, heads, dv] float32 merged output
+    out: jax.Array  # [batch, n, heads, dv] merged output in q's dtype
     lse: jax.Array  # [batch, n, heads] float32 merged log-sum-exp
 
 
@@ -136,7 +136,8 @@ def halo_local(
             return merge(out, lse, *far)
 
         out, lse = each_rank(both)
-        return (out.astype(q.dtype), lse), Residuals(q, kv, (halo_k, halo_v), seg, halo_seg, out, lse)
+        out, lse = saved.named(out.astype(q.dtype), lse)
+        return (out, lse), Residuals(q, kv, (halo_k, halo_v), seg, halo_seg, out, lse)
 
     @jax.custom_vjp
     def attend(q, kv, seg):

@@ -25,13 +25,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallel.kernels import Options, Tokens
+from parallel import anchored
+from parallel.kernels import Options, Tokens, saved
 from parallel.kernels import sinks as attention_sinks
+from parallel.kernels.softmax import backward_delta
 from parallel.latent import expand as expand_latent
 from parallel.lse_merge import merge
 from parallel.strategies import halo
 from parallel.strategies.common import axis_shards, chosen_kernel, global_index, kernel_options, run_sharded
 from parallel.strategies.ring_steps import StepShape, step_shapes
+
+
+class RowTerms(NamedTuple):
+    """What a backward call reads of the query rows besides dout and lse: out [batch, n, heads, dv] and dlse [batch,
+    n, heads] or None, or in their place delta [batch, n, heads] float32 (parallel.kernels.Kernel.takes_delta)."""
+
+    out: jax.Array | None
+    dlse: jax.Array | None
+    delta: jax.Array | None
 
 
 class Residuals(NamedTuple):
@@ -42,7 +53,7 @@ class Residuals(NamedTuple):
     fixed: Any  # what stays and makes K/V of `travel`: () or MLA's kv_b
     seg: jax.Array  # [batch, n] int32 segment ids of the local piece
     seg_all: jax.Array  # [shards, batch, n] int32 every rank's segment ids
-    out: jax.Array  # [batch, n, heads, dv] float32 merged output
+    out: jax.Array  # [batch, n, heads, dv] merged output in q's dtype (as FlashAttention keeps it: half the bytes)
     lse: jax.Array  # [batch, n, heads] float32 merged log-sum-exp
 
 
@@ -115,16 +126,24 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         """(out, lse) float32 of queries q against the K/V that `travel` holds or makes."""
         return impl.forward(q, *expand(fixed, travel), *sides, options=step_options, out_dtype=jnp.float32)
 
-    def backward_call(q, fixed, travel, sides, out, lse, dout, dlse, step_options, dq, dtravel, dfixed):
+    def row_terms(out, dout, dlse) -> RowTerms:
+        """What every backward call reads of the query rows besides dout and lse: their delta, computed once, when the
+        kernel takes it (out is then freed before the first call), else out and dlse."""
+        if impl.takes_delta:
+            return RowTerms(None, None, backward_delta(out, dout, dlse))
+        return RowTerms(out, dlse, None)
+
+    def backward_call(q, fixed, travel, sides, lse, dout, terms: RowTerms, step_options, dq, dtravel, dfixed):
         """(dq, dtravel, dfixed) with the terms of one call added: dK/dV straight into the running sums, or through
         the latent's expansion (its rows' and kv_b's gradients)."""
+        given = dict(options=step_options) if terms.delta is None else dict(options=step_options, delta=terms.delta)
         if latent is None:
-            dq, dk, dv = impl.backward(q, *travel, *sides, out, lse, dout, dlse, options=step_options,
-                                       accumulate=(dq, *dtravel))  # fmt: skip
+            dq, dk, dv = impl.backward(q, *travel, *sides, terms.out, lse, dout, terms.dlse,
+                                       accumulate=(dq, *dtravel), **given)  # fmt: skip
             return dq, (dk, dv), dfixed
         (k, v), pull = jax.vjp(expand, fixed, travel)
         fresh = tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v))
-        dq, dk, dv = impl.backward(q, k, v, *sides, out, lse, dout, dlse, options=step_options, accumulate=(dq, *fresh))
+        dq, dk, dv = impl.backward(q, k, v, *sides, terms.out, lse, dout, terms.dlse, accumulate=(dq, *fresh), **given)
         dfixed_step, dtravel_step = pull((dk.astype(k.dtype), dv.astype(v.dtype)))
         return dq, dtravel + dtravel_step.astype(dtravel.dtype), dfixed + dfixed_step.astype(dfixed.dtype)
 
@@ -154,32 +173,31 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
             return lower(q, fixed, travel, seg, seg_source, out, lse)
         return lax.cond(source < rank, lower, higher, q, fixed, travel, seg, seg_source, out, lse)
 
-    def backward_half(shape: StepShape, res: Residuals, travel, seg_source, dout, dlse, grads):
+    def backward_half(shape: StepShape, res: Residuals, travel, seg_source, dout, terms: RowTerms, grads):
         """grads (dq, dtravel, dfixed) with the terms of the step of `shape` added into their rows."""
         rows, keys = shape.queries, shape.keys
         sides = Tokens(res.seg[:, rows], shape.q_index), Tokens(seg_source[:, keys], shape.kv_index)
         step_options = dataclasses.replace(options, causal=shape.causal)
         dq, dtravel, dfixed = grads
         part = backward_call(
-            res.q[:, rows], res.fixed, rows_of(travel, keys), sides, res.out[:, rows], res.lse[:, rows],
-            dout[:, rows], None if dlse is None else dlse[:, rows], step_options, dq[:, rows],
-            rows_of(dtravel, keys), dfixed,
+            res.q[:, rows], res.fixed, rows_of(travel, keys), sides, res.lse[:, rows], dout[:, rows],
+            rows_of(terms, rows), step_options, dq[:, rows], rows_of(dtravel, keys), dfixed,
         )  # fmt: skip
         put = lambda total, part: put_rows(total, part, keys)
         return put_rows(dq, part[0], rows), jax.tree.map(put, dtravel, part[1]), part[2]
 
-    def step_backward(res: Residuals, travel, dout, dlse, rank, source, grads):
+    def step_backward(res: Residuals, travel, dout, terms: RowTerms, rank, source, grads):
         """grads (dq float32, dtravel, dfixed) with the terms of local queries against the piece `travel` of `source`
         added."""
         seg_source = res.seg_all[source]
         if shapes is None:
             sides = windowed_sides(res.seg, seg_source, rank, source)
-            return backward_call(res.q, res.fixed, travel, sides, res.out, res.lse, dout, dlse, options, *grads)
-        unchanged = lambda res, travel, seg_source, dout, dlse, grads: grads
+            return backward_call(res.q, res.fixed, travel, sides, res.lse, dout, terms, options, *grads)
+        unchanged = lambda res, travel, seg_source, dout, terms, grads: grads
         lower, higher = (visible_step(shape, backward_half, unchanged) for shape in shapes)
         if not options.causal:  # every piece whole: no choice
-            return lower(res, travel, seg_source, dout, dlse, grads)
-        return lax.cond(source < rank, lower, higher, res, travel, seg_source, dout, dlse, grads)
+            return lower(res, travel, seg_source, dout, terms, grads)
+        return lax.cond(source < rank, lower, higher, res, travel, seg_source, dout, terms, grads)
 
     def run_forward(q, fixed, travel, seg):
         """((out in q's dtype, lse float32), Residuals)."""
@@ -199,7 +217,8 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         if shards > 1:
             last, out, lse = middle_steps(body, (in_flight, out, lse))
             out, lse = step_forward(q, seg, fixed, last, seg_all, rank, (rank + 1) % shards, out, lse)
-        return (out.astype(q.dtype), lse), Residuals(q, travel, fixed, seg, seg_all, out, lse)
+        out, lse = saved.named(out.astype(q.dtype), lse)
+        return (out, lse), Residuals(q, travel, fixed, seg, seg_all, out, lse)
 
     @jax.custom_vjp
     def ring(q, fixed, travel, seg):
@@ -209,29 +228,33 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         dout, dlse = cotangents
         dlse = None if sinks is None else dlse  # only the sinks use the lse
         rank = lax.axis_index(axis)
+        terms = row_terms(res.out, dout, dlse)
+        # The first send and the running sums wait for dout: made from what the forward already holds, XLA would
+        # schedule them before the forward, live through it.
+        res = res._replace(travel=anchored.after(dout, res.travel), out=None)
         in_flight = lax.ppermute(res.travel, axis, to_next) if shards > 1 else res.travel
         # dq and kv_b's gradient sum in float32; what travels sums and travels in grad_dtype; each step's terms are
         # float32
-        zeros = lambda dtype: lambda x: jnp.zeros(x.shape, dtype(x))
+        zeros = lambda dtype: lambda x: anchored.full(dout, x.shape, 0, dtype(x))
         grads = (
-            jnp.zeros(res.q.shape, jnp.float32),
+            zeros(lambda x: jnp.float32)(res.q),
             jax.tree.map(zeros(grad_dtype), res.travel),
             jax.tree.map(zeros(lambda x: jnp.float32), res.fixed),
         )
         sides = own_sides(res.seg, rank)
-        grads = backward_call(res.q, res.fixed, res.travel, sides, res.out, res.lse, dout, dlse, options, *grads)
+        grads = backward_call(res.q, res.fixed, res.travel, sides, res.lse, dout, terms, options, *grads)
 
         def body(carry, i):
             travel, (dq, dtravel, dfixed) = carry
             arriving = lax.ppermute(travel, axis, to_next)
             dtravel = lax.ppermute(dtravel, axis, to_next)  # arrives with the piece it belongs to
             source = (rank - i) % shards
-            return (arriving, step_backward(res, travel, dout, dlse, rank, source, (dq, dtravel, dfixed))), None
+            return (arriving, step_backward(res, travel, dout, terms, rank, source, (dq, dtravel, dfixed))), None
 
         if shards > 1:
             last, (dq, dtravel, dfixed) = middle_steps(body, (in_flight, grads))
             dtravel = lax.ppermute(dtravel, axis, to_next)
-            grads = step_backward(res, last, dout, dlse, rank, (rank + 1) % shards, (dq, dtravel, dfixed))
+            grads = step_backward(res, last, dout, terms, rank, (rank + 1) % shards, (dq, dtravel, dfixed))
             dq, dtravel, dfixed = grads
             grads = dq, lax.ppermute(dtravel, axis, to_next), dfixed  # home to the owner
         dq, dtravel, dfixed = grads

@@ -1,5 +1,6 @@
-"""Remat policies keep what they say: full only the block's inputs, save_projections the named projections; a group
-of blocks (a scan step of layers that differ) applies the policy to each of its blocks."""
+"""Remat policies keep what they say: full only the block's inputs, save_projections the named projections,
+save_attention the attention's out and lse (and its backward then runs no attention forward); a group of blocks (a
+scan step of layers that differ) applies the policy to each of its blocks."""
 
 import dataclasses
 import re
@@ -14,6 +15,9 @@ from models import deepseek, gemma3, llama
 from models.config import FULL, SLIDING
 from models.remat import PROJECTIONS, remat
 from models.stack import Group
+from parallel import kernels
+from parallel.kernels import blockwise
+from parallel.kernels.saved import NAMES as ATTENTION_RESULTS
 from tests.tiny_models import TINY_LLAMA, TINY_MLA
 
 LLAMA = TINY_LLAMA
@@ -69,6 +73,32 @@ def test_save_projections_keeps_the_named_projections(family, capsys):
     kept = set(saved(BLOCKS[family], "save_projections", capsys)) - {"argument"}
     assert kept <= set(PROJECTIONS), kept
     assert ATTENTION[family] <= kept and {"mlp_gate", "mlp_up"} <= kept, kept
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_save_attention_keeps_the_attention_results(family, capsys):
+    assert set(saved(BLOCKS[family], "save_attention", capsys)) == {"argument", *ATTENTION_RESULTS}
+
+
+@pytest.mark.parametrize("policy, forwards", [("full", 2), ("save_attention", 1)])
+def test_save_attention_runs_the_attention_forward_once(policy, forwards, monkeypatch):
+    """The kernel's forward, marked by a named call, appears in the block's gradient twice under full (the forward
+    and its recomputation), once when its results are saved."""
+
+    def kernel_forward(out):
+        return out
+
+    def marked_forward(*args, **kwargs):
+        out, lse = blockwise.forward(*args, **kwargs)
+        return jax.jit(kernel_forward)(out), lse
+
+    monkeypatch.setattr(kernels, "BLOCKWISE", kernels.Kernel("blockwise", marked_forward, blockwise.backward, True))
+    module = BLOCKS["llama"]()
+    graphdef, params = nnx.split(module)
+    positions, segments = jnp.arange(16)[None], jnp.ones((1, 16), jnp.int32)
+    block = remat(lambda h, p: nnx.merge(graphdef, p)(h, positions, segments)[0], policy)
+    gradient = jax.make_jaxpr(jax.grad(lambda p, x: block(x, p).sum()))(params, jnp.ones((1, 16, 32)))
+    assert str(gradient).count("name=kernel_forward") == forwards
 
 
 def test_none_keeps_more_than_save_projections(capsys):
