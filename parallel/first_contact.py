@@ -1,16 +1,19 @@
-"""First contact with a device: before a run trusts a fused attention kernel (cuDNN, Pallas) or the ragged expert
-dispatch, it checks them on its own devices against the reference paths (the blockwise kernel; the capacity
-dispatch with room for every assignment) on small packed inputs, forward and backward, in seconds. A mismatch or
-an error gives a warning naming the path and the error, and the run goes on on the reference path.
+"""First contact with a device: before a run trusts a fused attention kernel (cuDNN, FlashAttention-3, Pallas,
+splash) or the ragged expert dispatch, it checks them on its own devices against the reference paths (the blockwise
+kernel; the capacity dispatch with room for every assignment) on small packed inputs, forward and backward, in
+seconds. A mismatch or an error gives a warning naming the path and the error, and the run goes on on the next
+fused kernel that agrees (kernels.NEXT_FUSED: FlashAttention-3, then cuDNN, then Pallas), else the reference path.
 
 Compile tests prove the GPU programs build, stand-ins and interpret mode prove their semantics on CPU; this is what
 only the device itself can show (the numbers its kernels and collectives produce)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -29,6 +32,8 @@ log = logging.getLogger(__name__)
 # relative error allowed between a kernel and the blockwise kernel on the same bfloat16 inputs (lse; the rest)
 TOLERANCE = {"lse": 1e-2, "out": 3e-2, "dq": 3e-2, "dk": 3e-2, "dv": 3e-2, "y": 3e-2, "dx": 3e-2, "dw": 3e-2}
 LENGTH = 512  # tokens of the checked rows: four documents, and a ring step of a 4-device dual_chunk ring
+# a context around a wait on the devices for `what` (a run's stall watch: train/process/stall.py)
+Waiting = Callable[[str], contextlib.AbstractContextManager]
 
 
 def relative_error(a, b) -> float:
@@ -69,8 +74,9 @@ class Call(NamedTuple):
     kv_side: kernels.Tokens
 
 
-def _attention_grads(kernel, blocks: dict, call: Call):
-    """{out, lse, dq, dk, dv} of `call` on `kernel` through a loss with cotangents for out and lse."""
+def _attention_grads(kernel, blocks: dict, call: Call, waiting: Waiting):
+    """{out, lse, dq, dk, dv} of `call` on `kernel` through a loss with cotangents for out and lse; compiled first,
+    then run inside `waiting`."""
     q, k, v = call.q, call.k, call.v
     weights = jax.random.normal(jax.random.key(3), (*q.shape[:3], v.shape[-1]), jnp.float32)
     static = isinstance(call.q_side.index, np.ndarray)
@@ -82,8 +88,10 @@ def _attention_grads(kernel, blocks: dict, call: Call):
         finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
         return jnp.sum(out.astype(jnp.float32) * weights) + jnp.sum(finite), (out, lse)
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
-    (dq, dk, dv), (out, lse) = grad(q, k, v) if static else grad(q, k, v, call.q_side.index, call.kv_side.index)
+    args = (q, k, v) if static else (q, k, v, call.q_side.index, call.kv_side.index)
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True)).lower(*args).compile()
+    with waiting(f"first contact with attention kernel {kernel.name!r}"):
+        (dq, dk, dv), (out, lse) = jax.block_until_ready(grad(*args))
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv)
 
 
@@ -114,15 +122,18 @@ def _calls(dims: tuple[int, int, int, int], dtype) -> dict[str, Call]:
     return calls
 
 
-def kernel_error(kernel: kernels.Kernel, device, dims: tuple[int, int, int, int], dtype, blocks: dict) -> str | None:
+def kernel_error(
+    kernel: kernels.Kernel, device, dims: tuple[int, int, int, int], dtype, blocks: dict,
+    waiting: Waiting = contextlib.nullcontext,
+) -> str | None:  # fmt: skip
     """Runs `kernel` and the blockwise kernel on `device` (heads, kv heads, q-k and v head dims `dims`, in `dtype`,
-    with `blocks` block_q / block_kv) on the calls of `_calls`. Returns None when they agree, else what differed or
-    the error raised."""
+    with `blocks` block_q / block_kv) on the calls of `_calls`, each run (not its compile) inside `waiting(what)`.
+    Returns None when they agree, else what differed or the error raised."""
     try:
         with jax.default_device(device):
             for name, call in _calls(dims, dtype).items():
-                got = _attention_grads(kernel, blocks, call)
-                problem = _mismatch(got, _attention_grads(kernels.BLOCKWISE, blocks, call))
+                got = _attention_grads(kernel, blocks, call, waiting)
+                problem = _mismatch(got, _attention_grads(kernels.BLOCKWISE, blocks, call, waiting))
                 if problem:
                     return f"{name}: {problem}"
     except Exception as error:  # noqa: BLE001  (any failure of an untried kernel sends the run to the reference)
@@ -149,11 +160,13 @@ def _route(tokens, router, k: int):
     return weights, experts.astype(jnp.int32), probabilities
 
 
-def dispatch_error(parallelism: Parallelism, mesh, num_experts: int, k: int, dtype) -> str | None:
+def dispatch_error(
+    parallelism: Parallelism, mesh, num_experts: int, k: int, dtype, waiting: Waiting = contextlib.nullcontext
+) -> str | None:
     """Runs the MoE dispatch of `parallelism` and the capacity dispatch (room for every assignment) on `mesh`, forward
     and backward, on a few tokens per device routed to `num_experts` experts (k each), and compares them inside the
-    program (every process gets the same replicated errors). None when they agree, else what differed or the error
-    raised."""
+    program (every process gets the same replicated errors; the run, not its compile, inside `waiting(what)`). None
+    when they agree, else what differed or the error raised."""
     spec = logical_spec(("batch", "length", "embed"), mesh)
     parts = [math.prod(mesh.shape[a] for a in ((p,) if isinstance(p, str) else p or ())) for p in spec[:2]]
     rest = mesh.size // (parts[0] * parts[1])
@@ -188,7 +201,10 @@ def dispatch_error(parallelism: Parallelism, mesh, num_experts: int, k: int, dty
 
     try:
         with jax.set_mesh(mesh):
-            found = jax.jit(errors)(jax.device_put(x, jax.NamedSharding(mesh, spec)), w)
+            args = (jax.device_put(x, jax.NamedSharding(mesh, spec)), w)
+            compiled = jax.jit(errors).lower(*args).compile()
+            with waiting("first contact with the ragged expert dispatch"):
+                found = jax.block_until_ready(compiled(*args))
         return _verdict(found)
     except Exception as error:  # noqa: BLE001  (any failure of an untried dispatch sends the run to the reference)
         return _describe(error)
@@ -206,34 +222,37 @@ def _anywhere(problem: str | None) -> str | None:
 
 
 def checked(
-    parallelism: Parallelism, mesh, *, dims: tuple[int, int, int, int], experts: tuple[int, int], dtype
-) -> Parallelism:
-    """`parallelism`, with the blockwise kernel / capacity dispatch in place of a fused kernel / the ragged dispatch
-    that disagrees with it (the kernel on each process's first device of `mesh`, the dispatch on `mesh`; a warning says
-    which and why). The model's attention `dims` (heads, kv heads, q-k and v head dims; the check uses at most 2 kv
-    heads of 2 query heads each), its `experts` (routed experts, experts per token) and compute `dtype` shape the
-    checks; the kernel runs at the parallelism's blocks."""
+    parallelism: Parallelism, mesh, *, dims: tuple[int, int, int, int], experts: tuple[int, int], dtype,
+    waiting: Waiting = contextlib.nullcontext,
+) -> Parallelism:  # fmt: skip
+    """`parallelism`, with the next fused kernel that agrees with the blockwise kernel (else the blockwise kernel) in
+    place of one that disagrees, and the capacity dispatch in place of a ragged dispatch that disagrees with it (the
+    kernels on each process's first device of `mesh`, the dispatch on `mesh`; a warning for each says which and
+    why). The model's attention `dims` (heads, kv heads, q-k and v head dims; the check uses at most 2 kv heads of 2
+    query heads each), its `experts` (routed experts, experts per token) and compute `dtype` shape the checks; the
+    kernel runs at the parallelism's blocks. Each check's run is inside `waiting(what)` (a run's stall watch: a hang
+    on the device stops the run with a line naming the check)."""
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    if parallelism.kernel != "blockwise":
-        heads, kv_heads, dqk, dv = dims
-        kv = min(kv_heads, 2)
-        blocks = dict(block_q=parallelism.block_q, block_kv=parallelism.block_kv)
-        local = kernel_error(
-            chosen_kernel(parallelism), device, (kv * min(heads // kv_heads, 2), kv, dqk, dv), dtype, blocks
-        )
-        problem = _anywhere(local)
-        if problem:
-            log.warning(
-                "attention kernel %r disagrees with the blockwise kernel on %s (%s): this run uses the blockwise "
-                "kernel", parallelism.kernel, device.device_kind, problem,
-            )  # fmt: skip
-            parallelism = dataclasses.replace(parallelism, kernel="blockwise")
-        else:
-            log.info(
-                "attention kernel %r checked against the blockwise kernel on %s", parallelism.kernel, device.device_kind
-            )
+    heads, kv_heads, dqk, dv = dims
+    kv = min(kv_heads, 2)
+    checked_dims = (kv * min(heads // kv_heads, 2), kv, dqk, dv)
+    blocks = dict(block_q=parallelism.block_q, block_kv=parallelism.block_kv)
+    tried = _fused_kernels(parallelism)
+    for name, after in zip(tried, [*tried[1:], "blockwise"], strict=False):  # the last tried: blockwise after
+        candidate = dataclasses.replace(parallelism, kernel=name)
+        problem = _anywhere(kernel_error(chosen_kernel(candidate), device, checked_dims, dtype, blocks, waiting))
+        if not problem:
+            log.info("attention kernel %r checked against the blockwise kernel on %s", name, device.device_kind)
+            parallelism = candidate
+            break
+        log.warning(
+            "attention kernel %r disagrees with the blockwise kernel on %s (%s): %s", name, device.device_kind,
+            problem, "this run uses the blockwise kernel" if after == "blockwise" else f"trying {after!r}",
+        )  # fmt: skip
+    else:
+        parallelism = dataclasses.replace(parallelism, kernel="blockwise")
     if experts[0] and parallelism.expert_dispatch == "ragged" and mesh.size > 1:
-        problem = dispatch_error(parallelism, mesh, *experts, dtype)
+        problem = dispatch_error(parallelism, mesh, *experts, dtype, waiting)
         if problem:
             log.warning(
                 "ragged expert dispatch disagrees with the capacity dispatch on %s (%s): this run uses the capacity "
@@ -243,3 +262,17 @@ def checked(
         else:
             log.info("ragged expert dispatch checked against the capacity dispatch on %s", device.device_kind)
     return parallelism
+
+
+def _fused_kernels(parallelism: Parallelism) -> list[str]:
+    """The parallelism's kernel (auto resolved), then each fused kernel after it (kernels.NEXT_FUSED) that its devices
+    can run; none for the blockwise kernel."""
+    names, name = [], chosen_kernel(parallelism).name
+    while name is not None and name != "blockwise":
+        try:
+            chosen_kernel(dataclasses.replace(parallelism, kernel=name))
+            names.append(name)
+        except ValueError:  # not on these devices (cuDNN before Hopper, FlashAttention-3 not installed)
+            pass
+        name = kernels.NEXT_FUSED.get(name)
+    return names

@@ -27,7 +27,7 @@ from train.data.tokenizer import make_tokenizer
 from train.needle import needle_evaluation
 from train.optimizer import make_optimizer
 from train.planning.run_parallelism import run_parallelism
-from train.process import library_log
+from train.process import library_log, stall
 from train.state import TrainState, abstract_state, create_state
 from train.trainer import Evaluation, Trainer
 
@@ -104,7 +104,7 @@ def run(config: Config) -> dict:
     }
     mesh = make_mesh(config.mesh)
     check_built_mesh(config, mesh)
-    parallelism = run_parallelism(config, mesh)
+    parallelism = run_parallelism(config, mesh, stall.waiting)
     needle_scores = needle_evaluation(config, mesh, parallelism, tokenizer, source) if t.needle_lengths else None
     check_run_directory(output, config)
     tx = make_optimizer(config.optimizer, t.steps)

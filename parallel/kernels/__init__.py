@@ -28,6 +28,8 @@ from parallel.kernels.arguments import Options, Tokens
 KERNELS = ("auto", "pallas", "blockwise", "cudnn", "flash3", "splash")
 PACKED = ("cudnn", "flash3")  # kernels on packed rows: documents as runs in original order (parallel/kernels/packed.py)
 FIXED_MASKS = ("splash",)  # masks fixed at trace time: keys' indices static (parallel/kernels/splash.py)
+# the fused kernel a run tries next when one disagrees with the blockwise kernel on its devices (first contact)
+NEXT_FUSED = {"flash3": "cudnn", "cudnn": "pallas"}
 log = logging.getLogger(__name__)
 
 

@@ -3,6 +3,7 @@ its fused attention kernel and ragged expert dispatch checked on those devices (
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from models.dtypes import compute_dtype
@@ -15,9 +16,9 @@ from train.planning.compiling import compiling
 log = logging.getLogger(__name__)
 
 
-def run_parallelism(config: Config, mesh) -> Parallelism:
+def run_parallelism(config: Config, mesh, waiting: first_contact.Waiting = contextlib.nullcontext) -> Parallelism:
     """The checked parallelism for `config` on `mesh`; logs what it compiles before anything does, then which attention
-    kernel (and expert dispatch) the run uses."""
+    kernel (and expert dispatch) the run uses. `waiting`: the run's stall watch, around each check's run."""
     m = config.model
     parallelism = make_parallelism(config.parallel, mesh.shape, mesh.devices.flat[0])
     log.info(compiling(parallelism, mesh))  # first contact compiles the kernels, the step the model
@@ -27,6 +28,7 @@ def run_parallelism(config: Config, mesh) -> Parallelism:
         dims=m.attention_dims,
         experts=(m.num_experts, m.experts_per_token),
         dtype=compute_dtype(config.compute),
+        waiting=waiting,
     )
     log.info(
         "attention kernel %s%s",
