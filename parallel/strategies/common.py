@@ -1,8 +1,10 @@
-"""Pieces shared by the context strategies: shard_map specs, global token indices of local pieces, the local kernel."""
+"""Pieces shared by the context strategies: shard_map specs, global token indices of local pieces, the local kernel,
+what a strategy's backward reads of its query rows."""
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from parallel import kernels, tensor
 from parallel.kernels import Options, Tokens
+from parallel.kernels.softmax import backward_delta
 from parallel.mesh import logical_spec
 from parallel.reorder import from_balanced, layout_index, to_balanced
 
@@ -157,3 +160,25 @@ def mention_unit_axes(spec: PartitionSpec, mesh) -> PartitionSpec:
         return spec
     first = () if spec[0] is None else axis_names(spec[0])
     return PartitionSpec((*first, *unit), *spec[1:])
+
+
+class RowTerms(NamedTuple):
+    """What a strategy's kernel backward calls read of the query rows besides dout and lse: out [batch, n, heads, dv]
+    and dlse [batch, n, heads] or None; or in their place delta [batch, n, heads] float32, computed once for all the
+    calls by a kernel that takes it (parallel.kernels.Kernel.takes_delta), so out is freed before the first."""
+
+    out: jax.Array | None
+    dlse: jax.Array | None
+    delta: jax.Array | None
+
+    @classmethod
+    def of(cls, impl: kernels.Kernel, out, dout, dlse) -> RowTerms:
+        """The terms `impl`'s backward takes of the final out, its cotangent dout and the lse's dlse (or None)."""
+        if impl.takes_delta:
+            return cls(None, None, backward_delta(out, dout, dlse))
+        return cls(out, dlse, None)
+
+    def backward(self, impl: kernels.Kernel, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, dout, **options):
+        """impl.backward of one call with these terms (options: its keywords, options= and accumulate= among them)."""
+        given = options if self.delta is None else {**options, "delta": self.delta}
+        return impl.backward(q, k, v, q_tokens, kv_tokens, self.out, lse, dout, self.dlse, **given)

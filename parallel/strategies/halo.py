@@ -25,12 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from parallel import kernels
+from parallel import anchored, kernels
 from parallel.kernels import Options, Tokens, saved
 from parallel.kernels import sinks as attention_sinks
 from parallel.lse_merge import merge
 from parallel.segments import INT32_MAX
-from parallel.strategies.common import chosen_kernel, kernel, local_piece
+from parallel.strategies.common import RowTerms, chosen_kernel, kernel, local_piece
 
 
 class Shift(NamedTuple):
@@ -146,18 +146,20 @@ def halo_local(
     def attend_bwd(res: Residuals, cotangents):
         dout, dlse = cotangents
         dlse = None if sinks is None else dlse  # only the sinks use the lse
-        zeros = lambda arrays: tuple(jnp.zeros(x.shape, grad_dtype(x)) for x in arrays)
-        merged = (res.out, res.lse, dout, dlse)
+        terms = RowTerms.of(impl, res.out, dout, dlse)
+        # zeros made from dout: from nothing, XLA would make them before the forward, live through it
+        zeros = lambda arrays, dtype=grad_dtype: tuple(anchored.full(dout, x.shape, 0, dtype(x)) for x in arrays)
 
         def both(r):
             own, halo = sides(res.seg, res.halo_seg, r)
-            dq = jnp.zeros(res.q.shape, jnp.float32)
-            dq, dk, dv = impl.backward(
-                res.q, *res.kv, own, own, *merged, options=options, accumulate=(dq, *zeros(res.kv))
+            (dq,) = zeros((res.q,), lambda x: jnp.float32)
+            grads = (dq, *zeros(res.kv))
+            dq, dk, dv = terms.backward(
+                impl, res.q, *res.kv, own, own, res.lse, dout, options=options, accumulate=grads
             )
             halo_grads = (dq, *zeros(res.halo_kv))
-            dq, dk_far, dv_far = impl.backward(
-                res.q, *res.halo_kv, own, halo, *merged, options=options, accumulate=halo_grads
+            dq, dk_far, dv_far = terms.backward(
+                impl, res.q, *res.halo_kv, own, halo, res.lse, dout, options=options, accumulate=halo_grads
             )
             return dq, dk, dv, dk_far, dv_far
 

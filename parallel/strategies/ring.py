@@ -28,21 +28,18 @@ from jax import lax
 from parallel import anchored
 from parallel.kernels import Options, Tokens, saved
 from parallel.kernels import sinks as attention_sinks
-from parallel.kernels.softmax import backward_delta
 from parallel.latent import expand as expand_latent
 from parallel.lse_merge import merge
 from parallel.strategies import halo
-from parallel.strategies.common import axis_shards, chosen_kernel, global_index, kernel_options, run_sharded
+from parallel.strategies.common import (
+    RowTerms,
+    axis_shards,
+    chosen_kernel,
+    global_index,
+    kernel_options,
+    run_sharded,
+)
 from parallel.strategies.ring_steps import StepShape, step_shapes
-
-
-class RowTerms(NamedTuple):
-    """What a backward call reads of the query rows besides dout and lse: out [batch, n, heads, dv] and dlse [batch,
-    n, heads] or None, or in their place delta [batch, n, heads] float32 (parallel.kernels.Kernel.takes_delta)."""
-
-    out: jax.Array | None
-    dlse: jax.Array | None
-    delta: jax.Array | None
 
 
 class Residuals(NamedTuple):
@@ -126,24 +123,16 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         """(out, lse) float32 of queries q against the K/V that `travel` holds or makes."""
         return impl.forward(q, *expand(fixed, travel), *sides, options=step_options, out_dtype=jnp.float32)
 
-    def row_terms(out, dout, dlse) -> RowTerms:
-        """What every backward call reads of the query rows besides dout and lse: their delta, computed once, when the
-        kernel takes it (out is then freed before the first call), else out and dlse."""
-        if impl.takes_delta:
-            return RowTerms(None, None, backward_delta(out, dout, dlse))
-        return RowTerms(out, dlse, None)
-
     def backward_call(q, fixed, travel, sides, lse, dout, terms: RowTerms, step_options, dq, dtravel, dfixed):
         """(dq, dtravel, dfixed) with the terms of one call added: dK/dV straight into the running sums, or through
         the latent's expansion (its rows' and kv_b's gradients)."""
-        given = dict(options=step_options) if terms.delta is None else dict(options=step_options, delta=terms.delta)
         if latent is None:
-            dq, dk, dv = impl.backward(q, *travel, *sides, terms.out, lse, dout, terms.dlse,
-                                       accumulate=(dq, *dtravel), **given)  # fmt: skip
+            dq, dk, dv = terms.backward(impl, q, *travel, *sides, lse, dout, options=step_options,
+                                        accumulate=(dq, *dtravel))  # fmt: skip
             return dq, (dk, dv), dfixed
         (k, v), pull = jax.vjp(expand, fixed, travel)
         fresh = tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v))
-        dq, dk, dv = impl.backward(q, k, v, *sides, terms.out, lse, dout, terms.dlse, accumulate=(dq, *fresh), **given)
+        dq, dk, dv = terms.backward(impl, q, k, v, *sides, lse, dout, options=step_options, accumulate=(dq, *fresh))
         dfixed_step, dtravel_step = pull((dk.astype(k.dtype), dv.astype(v.dtype)))
         return dq, dtravel + dtravel_step.astype(dtravel.dtype), dfixed + dfixed_step.astype(dfixed.dtype)
 
@@ -228,7 +217,7 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         dout, dlse = cotangents
         dlse = None if sinks is None else dlse  # only the sinks use the lse
         rank = lax.axis_index(axis)
-        terms = row_terms(res.out, dout, dlse)
+        terms = RowTerms.of(impl, res.out, dout, dlse)
         # The first send and the running sums wait for dout: made from what the forward already holds, XLA would
         # schedule them before the forward, live through it.
         res = res._replace(travel=anchored.after(dout, res.travel), out=None)
