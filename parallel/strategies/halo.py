@@ -101,7 +101,8 @@ def halo_local(
     seg [batch, n] are this device's piece, sinks [heads] or None; index: numpy [shards * n] global token index of
     every piece in order; found: shifts(index, shards, options.window). -> out [batch, n, heads, dv], the sinks
     applied once to the merge of the own piece's and the halo's attention. The backward runs each call's kernel
-    backward with the merged out and lse (as a ring step does) and sends the halo's dK / dV home."""
+    backward with the merged lse and the rows' terms (common.RowTerms, as a ring step does) and sends the halo's
+    dK / dV home."""
     pieces = index.reshape(shards, -1)
     each_rank = functools.partial(_each_rank, axis, shards, chosen_kernel(parallelism).name in kernels.FIXED_MASKS)
     if not found:  # every window within the own piece
@@ -148,12 +149,11 @@ def halo_local(
         dlse = None if sinks is None else dlse  # only the sinks use the lse
         terms = RowTerms.of(impl, res.out, dout, dlse)
         # zeros made from dout: from nothing, XLA would make them before the forward, live through it
-        zeros = lambda arrays, dtype=grad_dtype: tuple(anchored.full(dout, x.shape, 0, dtype(x)) for x in arrays)
+        zeros = lambda arrays: tuple(anchored.full(dout, x.shape, 0, grad_dtype(x)) for x in arrays)
 
         def both(r):
             own, halo = sides(res.seg, res.halo_seg, r)
-            (dq,) = zeros((res.q,), lambda x: jnp.float32)
-            grads = (dq, *zeros(res.kv))
+            grads = (anchored.full(dout, res.q.shape, 0, jnp.float32), *zeros(res.kv))
             dq, dk, dv = terms.backward(
                 impl, res.q, *res.kv, own, own, res.lse, dout, options=options, accumulate=grads
             )

@@ -226,7 +226,7 @@ def ring_local(q, k, v, seg, sinks=None, latent=None, *, axis: str, shards: int,
         # float32
         zeros = lambda dtype: lambda x: anchored.full(dout, x.shape, 0, dtype(x))
         grads = (
-            zeros(lambda x: jnp.float32)(res.q),
+            anchored.full(dout, res.q.shape, 0, jnp.float32),
             jax.tree.map(zeros(grad_dtype), res.travel),
             jax.tree.map(zeros(lambda x: jnp.float32), res.fixed),
         )
