@@ -6,6 +6,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+import parallel
+
 
 def clamped_swiglu(gate_up: jax.Array, alpha: float, limit: float) -> jax.Array:
     """gate_up [..., 2 * mlp] interleaved -> [..., mlp]: gate clamped to at most `limit`, up to [-limit, limit],
@@ -34,5 +36,5 @@ def expert_clamped_swiglu(
         hidden = clamped_swiglu(jnp.einsum("erd,edf->erf", x, gate_up) + gate_up_bias[:, None], alpha, limit)
         return jnp.einsum("erf,efd->erd", hidden, down) + down_bias[:, None]
     expert = jnp.repeat(jnp.arange(group_sizes.shape[0]), group_sizes, total_repeat_length=x.shape[0])
-    hidden = clamped_swiglu(jax.lax.ragged_dot(x, gate_up, group_sizes) + gate_up_bias[expert], alpha, limit)
-    return jax.lax.ragged_dot(hidden, down, group_sizes) + down_bias[expert]
+    hidden = clamped_swiglu(parallel.ragged_dot(x, gate_up, group_sizes) + gate_up_bias[expert], alpha, limit)
+    return parallel.ragged_dot(hidden, down, group_sizes) + down_bias[expert]

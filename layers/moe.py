@@ -45,8 +45,8 @@ def expert_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array,
     if group_sizes is None:
         hidden = jax.nn.silu(jnp.einsum("erd,edf->erf", x, gate)) * jnp.einsum("erd,edf->erf", x, up)
         return jnp.einsum("erf,efd->erd", hidden, down)
-    hidden = jax.nn.silu(jax.lax.ragged_dot(x, gate, group_sizes)) * jax.lax.ragged_dot(x, up, group_sizes)
-    return jax.lax.ragged_dot(hidden, down, group_sizes)
+    hidden = jax.nn.silu(parallel.ragged_dot(x, gate, group_sizes)) * parallel.ragged_dot(x, up, group_sizes)
+    return parallel.ragged_dot(hidden, down, group_sizes)
 
 
 AUX_LOSS_SCOPES = ("pooled", "layer", "sequence")

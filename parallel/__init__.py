@@ -15,6 +15,7 @@ import jax
 from parallel import compat  # noqa: F401  first of the package: refuses a JAX outside the supported range
 from parallel.deepseek_sparse import IndexerOutput, indexer_warmup, sparse_attention
 from parallel.experts import routed_experts
+from parallel.grouped import ragged_dot
 from parallel.latent import Latent
 from parallel.lookup import lookup
 from parallel.mesh import logical_spec
@@ -34,6 +35,7 @@ __all__ = [
     "indexer_warmup",
     "lookup",
     "project_scatter",
+    "ragged_dot",
     "residual",
     "routed_experts",
     "shard",

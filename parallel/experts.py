@@ -17,8 +17,9 @@ The buffers are sized by factor = parallelism.expert_capacity (1 = exactly the b
   rows, one tiled all-to-all there and one back, the local experts as batched einsums. Assignments past C, in
   (token, k) order, are dropped (weight zero) and counted.
 - `ragged` (GPU/TPU): the routed rows themselves, one slice per expert, by `ragged_all_to_all` into a receive
-  buffer of ceil(factor x tokens x k) rows grouped by expert, and `ragged_dot` over the local experts. Rows that do
-  not fit, last experts' last sources first, are dropped and counted. XLA:CPU cannot compile it.
+  buffer of ceil(factor x tokens x k) rows grouped by expert, and the grouped matmul (parallel/grouped.py) over the
+  local experts. Rows that do not fit, last experts' last sources first, are dropped and counted. XLA:CPU cannot
+  compile it.
 Without expert-parallel axes (one device, or none divides the experts), every device runs all experts on its own
 tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens
 pass through in chunks of at most parallelism.expert_chunk tokens (a scan with remat), so the dispatch scratch does not
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from parallel.grouped import filled
 from parallel.mesh import logical_spec, spec_axes
 from parallel.parallelism import current_parallelism
 from parallel.rounding import ceil_div
@@ -283,7 +285,8 @@ def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
         layout.recv_sizes,
         axis_name=axes,
     )
-    out = ffn(received, *matrices, group_sizes=layout.group_sizes)
+    with filled(min(1.0, n * k / rows)):  # a balanced load: n x k rows on each device
+        out = ffn(received, *matrices, group_sizes=layout.group_sizes)
     out = jnp.where(jnp.arange(rows)[:, None] < layout.group_sizes.sum(), out, 0)  # rows past the groups: padding
     back = jax.lax.ragged_all_to_all(
         out,

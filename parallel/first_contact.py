@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from parallel import kernels
+from parallel import grouped, kernels
 from parallel.experts import routed_experts
 from parallel.mesh import logical_spec
 from parallel.parallelism import Parallelism, use_parallelism
@@ -150,7 +150,7 @@ def _ffn(rows, w, group_sizes=None):
     """Experts as one matrix each: rows [experts, rows, d] batched, or [rows, d] grouped by `group_sizes`."""
     if group_sizes is None:
         return jnp.einsum("erd,edf->erf", rows, w)
-    return jax.lax.ragged_dot(rows, w, group_sizes)
+    return grouped.ragged_dot(rows, w, group_sizes)
 
 
 def _route(tokens, router, k: int):
@@ -226,12 +226,13 @@ def checked(
     waiting: Waiting = contextlib.nullcontext,
 ) -> Parallelism:  # fmt: skip
     """`parallelism`, with the next fused kernel that agrees with the blockwise kernel (else the blockwise kernel) in
-    place of one that disagrees, and the capacity dispatch in place of a ragged dispatch that disagrees with it (the
-    kernels on each process's first device of `mesh`, the dispatch on `mesh`; a warning for each says which and
-    why). The model's attention `dims` (heads, kv heads, q-k and v head dims; the check uses at most 2 kv heads of 2
-    query heads each), its `experts` (routed experts, experts per token) and compute `dtype` shape the checks; the
-    kernel runs at the parallelism's blocks. Each check's run is inside `waiting(what)` (a run's stall watch: a hang
-    on the device stops the run with a line naming the check)."""
+    place of one that disagrees, and the ragged dispatch with XLA's grouped matmul (after tokamax's), else the capacity
+    dispatch, in place of a ragged dispatch that disagrees with the capacity dispatch (the kernels on each process's
+    first device of `mesh`, the dispatch on `mesh`; a warning for each says which and why). The model's attention `dims`
+    (heads, kv heads, q-k and v head dims; the check uses at most 2 kv heads of 2 query heads each), its `experts`
+    (routed experts, experts per token) and compute `dtype` shape the checks; the kernel runs at the parallelism's
+    blocks. Each check's run is inside `waiting(what)` (a run's stall watch: a hang on the device stops the run with a
+    line naming the check)."""
     device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     heads, kv_heads, dqk, dv = dims
     kv = min(kv_heads, 2)
@@ -252,16 +253,29 @@ def checked(
     else:
         parallelism = dataclasses.replace(parallelism, kernel="blockwise")
     if experts[0] and parallelism.expert_dispatch == "ragged" and mesh.size > 1:
-        problem = dispatch_error(parallelism, mesh, *experts, dtype, waiting)
-        if problem:
-            log.warning(
-                "ragged expert dispatch disagrees with the capacity dispatch on %s (%s): this run uses the capacity "
-                "dispatch", device.device_kind, problem,
-            )  # fmt: skip
-            parallelism = dataclasses.replace(parallelism, expert_dispatch="capacity")
-        else:
-            log.info("ragged expert dispatch checked against the capacity dispatch on %s", device.device_kind)
+        parallelism = _checked_dispatch(parallelism, mesh, experts, dtype, waiting, device.device_kind)
     return parallelism
+
+
+def _checked_dispatch(parallelism: Parallelism, mesh, experts, dtype, waiting: Waiting, kind: str) -> Parallelism:
+    """`parallelism` with the first of its ragged dispatch, the same with XLA's grouped matmul (after tokamax's) and
+    the capacity dispatch that agrees with the capacity dispatch (the last kept unchecked), a warning for each that
+    does not."""
+    tried = [parallelism]
+    if parallelism.grouped_matmul != "xla":
+        tried.append(dataclasses.replace(parallelism, grouped_matmul="xla"))
+    for candidate, after in zip(tried, [*tried[1:], None], strict=True):
+        matmul = candidate.grouped_matmul
+        problem = dispatch_error(candidate, mesh, *experts, dtype, waiting)
+        if not problem:
+            log.info("ragged expert dispatch (%s grouped matmul) checked against the capacity dispatch on %s", matmul,
+                     kind)  # fmt: skip
+            return candidate
+        log.warning(
+            "ragged expert dispatch (%s grouped matmul) disagrees with the capacity dispatch on %s (%s): %s", matmul,
+            kind, problem, "this run uses the capacity dispatch" if after is None else "trying the xla grouped matmul",
+        )  # fmt: skip
+    return dataclasses.replace(parallelism, expert_dispatch="capacity")
 
 
 def _fused_kernels(parallelism: Parallelism) -> list[str]:

@@ -25,12 +25,14 @@ class Parallelism:
     parallel.reorder) with `stripe` tokens per stripe; mesh: None = the mesh set by `jax.set_mesh`; block_q /
     block_kv: attention kernel block sizes; kernel: the attention kernel (parallel.kernels.KERNELS), interpret:
     its Pallas kernels in interpret mode (tests on CPU); platform / capability: the devices the step compiles for
-    (cpu, gpu, tpu; CUDA compute capability "9.0"), None = JAX's default backend and its devices; scatter:
+    (cpu, gpu, tpu; CUDA compute capability "9.0"), None = JAX's default backend and its devices; device: one of
+    them, where a kernel picks its tiles for JAX's default device (tokamax's: parallel/grouped.py); scatter:
     scattered tensor parallelism, the residual stream sharded on length over mesh axis `tensor`;
     expert_dispatch: capacity or ragged (parallel/experts.py); expert_capacity: dispatch buffer rows per expert /
-    its balanced load (inf: dropless); expert_chunk: at most this many tokens per device pass through an MoE block at
-    once (0 = all); ring_grad_dtype: the dtype the ring accumulates and sends dK/dV in (RING_GRAD_DTYPES: float32, or
-    compute = K/V's own dtype, half the bytes in bfloat16)."""
+    its balanced load (inf: dropless); grouped_matmul: the experts' grouped matmul of the ragged dispatch
+    (parallel/grouped.py: xla or tokamax); expert_chunk: at most this many tokens per device pass through an MoE
+    block at once (0 = all); ring_grad_dtype: the dtype the ring accumulates and sends dK/dV in (RING_GRAD_DTYPES:
+    float32, or compute = K/V's own dtype, half the bytes in bfloat16)."""
 
     strategy: str = "none"
     axis: str | tuple[str, str] = "context"
@@ -43,9 +45,11 @@ class Parallelism:
     interpret: bool = False
     platform: str | None = None
     capability: str | None = None
+    device: object = None
     scatter: bool = True
     expert_dispatch: str = "capacity"
     expert_capacity: float = math.inf
+    grouped_matmul: str = "xla"
     expert_chunk: int = 0
     ring_grad_dtype: str = "float32"
 

@@ -3,7 +3,7 @@ host-side sequence reorder into its layout.
 
 Knows config-shaped objects only: the run config's `parallel` section, `settings` here (context_strategy,
 load_balance, balance_layout, stripe, block_q, block_kv, attention_kernel, scatter_residual, expert_dispatch,
-expert_capacity_factor, expert_chunk_size), and mesh axis sizes (context, ulysses, tensor).
+expert_capacity_factor, grouped_matmul, expert_chunk_size), and mesh axis sizes (context, ulysses, tensor).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import numpy as np
 
 from parallel import kernels
 from parallel.experts import DISPATCHES
+from parallel.grouped import GROUPED_MATMULS, TOKAMAX_INSTALL, tokamax_installed
 from parallel.mesh import MeshError
 from parallel.parallelism import Parallelism
 from parallel.reorder import to_balanced
@@ -113,6 +114,27 @@ def expert_dispatch(settings, platform: str) -> str:
     return dispatch
 
 
+GROUPED_MATMUL_SETTINGS = ("auto", *GROUPED_MATMULS)
+
+
+def grouped_matmul(settings, platform: str, capability: str | None = None) -> str:
+    """`parallel.grouped_matmul` on devices of `platform` and CUDA compute `capability`: auto = tokamax on Hopper and
+    newer GPUs where it is installed (XLA's GPU compiler runs `ragged_dot` dense over every group), else xla. Raises
+    MeshError for tokamax where it cannot run."""
+    choice = settings.grouped_matmul
+    _require(
+        choice in GROUPED_MATMUL_SETTINGS,
+        f"parallel.grouped_matmul={choice!r} is not allowed; choose one of {', '.join(GROUPED_MATMUL_SETTINGS)}",
+    )
+    hopper = platform == "gpu" and capability is not None and float(capability) >= 9.0
+    if choice == "auto":
+        return "tokamax" if hopper and tokamax_installed() else "xla"
+    if choice == "tokamax":
+        _require(hopper, f"parallel.grouped_matmul=tokamax runs on Hopper or newer GPUs, not on {platform}; use auto")
+        _require(tokamax_installed(), f"parallel.grouped_matmul=tokamax needs tokamax: {TOKAMAX_INSTALL}")
+    return choice
+
+
 def attention_kernel(settings, platform: str, capability: str | None = None) -> str:
     """`parallel.attention_kernel` on devices of `platform` and CUDA compute `capability` (auto resolved, see
     parallel.kernels.select); raises MeshError naming the value when it is unknown or cannot run there (pallas and
@@ -142,9 +164,11 @@ def make_parallelism(settings, sizes: Mapping[str, int], device=None) -> Paralle
         kernel=attention_kernel(settings, platform, capability),
         platform=platform,
         capability=capability,
+        device=device,
         scatter=settings.scatter_residual,
         expert_dispatch=expert_dispatch(settings, platform),
         expert_capacity=math.inf if settings.expert_capacity_factor is None else settings.expert_capacity_factor,
+        grouped_matmul=grouped_matmul(settings, platform, capability),
         expert_chunk=settings.expert_chunk_size,
         ring_grad_dtype=settings.ring_grad_dtype,
     )

@@ -13,7 +13,6 @@ import pathlib
 import shutil
 import sys
 import tempfile
-import zlib
 
 import pytest
 
@@ -73,35 +72,10 @@ def shared_run(tmp_path_factory):
 FLOOR = tuple(int(part) for part in importlib.metadata.version("jax").split(".")[:2]) < (0, 11)
 
 
-def pytest_addoption(parser):
-    parser.addoption(
-        "--slow-share",
-        metavar="K/N",
-        help="of the slow tests, run share K of N only (0 <= K < N, by a hash of each test's id): .ci/run runs the "
-        "share its commit picks, so that every slow test runs within N landings",
-    )
-
-
-def _slow_share(items, config) -> None:
-    """Deselects the slow tests outside the share --slow-share K/N names (the others are kept)."""
-    share = config.getoption("slow_share")
-    if not share:
-        return
-    k, n = (int(part) for part in share.split("/"))
-    if not 0 <= k < n:
-        raise pytest.UsageError(f"--slow-share {share}: K/N needs 0 <= K < N")
-    inside = [not item.get_closest_marker("slow") or zlib.crc32(item.nodeid.encode()) % n == k for item in items]
-    if not all(inside):
-        config.hook.pytest_deselected(items=[item for item, kept in zip(items, inside, strict=True) if not kept])
-        items[:] = [item for item, kept in zip(items, inside, strict=True) if kept]
-
-
 def pytest_collection_modifyitems(config, items):
     """The GPU compiles (the longest tests) first: with pytest-xdist no worker is left alone with one at the end. On
     the floor stack the `newest_stack` variants skip: the floor checks each path once (every strategy and kernel),
-    the newest stack every variant (.ci/run: the GPU machines' JAX 0.11.2 compiles for GPUs too). With --slow-share
-    only that share of the slow tests is kept."""
-    _slow_share(items, config)
+    the newest stack every variant (.ci/run: the GPU machines' JAX 0.11.2 compiles for GPUs too)."""
     items.sort(key=lambda item: item.get_closest_marker("gpu_compile") is None)
     if FLOOR:
         skip = pytest.mark.skip(reason="a further variant, checked on the newest stack (JAX >= 0.11) only")

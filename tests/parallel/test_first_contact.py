@@ -15,7 +15,7 @@ import pytest
 from parallel import experts, first_contact, kernels
 from parallel.kernels import pallas, splash
 from parallel.mesh import make_mesh
-from parallel.parallelism import Parallelism
+from parallel.parallelism import Parallelism, current_parallelism
 from train.config import MeshConfig
 from train.process.stall import StallWatch
 
@@ -96,7 +96,7 @@ def test_ragged_dispatch_is_checked_against_capacity(monkeypatch, caplog):
     monkeypatch.setattr(experts, "_ragged", experts._capacity)
     with caplog.at_level(logging.INFO):
         assert check(parallelism, mesh, (8, 2)) == parallelism
-    assert "ragged expert dispatch checked against the capacity dispatch" in caplog.text
+    assert "ragged expert dispatch (xla grouped matmul) checked against the capacity dispatch" in caplog.text
 
     def wrong(*args):
         y, dropped = experts._capacity(*args)
@@ -105,7 +105,27 @@ def test_ragged_dispatch_is_checked_against_capacity(monkeypatch, caplog):
     monkeypatch.setattr(experts, "_ragged", wrong)
     with caplog.at_level(logging.WARNING):
         assert check(parallelism, mesh, (8, 2)).expert_dispatch == "capacity"
-    assert "ragged expert dispatch disagrees with the capacity dispatch on cpu (y differs" in caplog.text
+    assert "ragged expert dispatch (xla grouped matmul) disagrees with the capacity dispatch on cpu (y differs" in (
+        caplog.text
+    )
+
+
+def test_a_ragged_dispatch_wrong_with_tokamax_falls_back_to_xla_s_grouped_matmul(monkeypatch, caplog):
+    """tokamax's grouped matmul wrong, XLA's right (the capacity dispatch standing in for the ragged one on CPU):
+    the run keeps the ragged dispatch with XLA's, one warning line."""
+    mesh = make_mesh(MeshConfig(fsdp=2, expert=2, context=2))
+    parallelism = Parallelism(platform="cpu", expert_dispatch="ragged", expert_capacity=8.0, grouped_matmul="tokamax")
+
+    def ragged(*args):
+        y, dropped = experts._capacity(*args)
+        return (y * 1.5 if current_parallelism().grouped_matmul == "tokamax" else y), dropped
+
+    monkeypatch.setattr(experts, "_ragged", ragged)
+    with caplog.at_level(logging.INFO):
+        assert check(parallelism, mesh, (8, 2)) == dataclasses.replace(parallelism, grouped_matmul="xla")
+    assert "ragged expert dispatch (tokamax grouped matmul) disagrees with the capacity dispatch on cpu" in caplog.text
+    assert "trying the xla grouped matmul" in caplog.text
+    assert "ragged expert dispatch (xla grouped matmul) checked against the capacity dispatch" in caplog.text
 
 
 def serve_cudnn(monkeypatch, forward):

@@ -4,7 +4,7 @@ kind of call the strategies make: the causal diagonal and a non-causal call, on 
 all precede the queries (a ring step), also all in other documents (every packed slot empty); two whole dual_chunk
 pieces off the diagonal ("halves": the ring calls each half all-visible, the packed kernels send the whole to their
 general kernel, Pallas); striped global indices (the packed kernels: their general kernel, Pallas). MHA, GQA and MLA
-head dims; indices static and traced.
+head dims; indices static and traced. And tokamax's grouped matmul for the experts equals `ragged_dot`.
 
     python -m pytest -q tests/parallel/test_gpu_kernels.py
 """
@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import kernels
+from parallel import grouped, kernels
 from parallel.kernels import Options, Tokens, flash3
+from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
 
@@ -107,3 +108,27 @@ def compare_on_gpu(kernel, heads, kind, q, k, v):
         for name, a, b in zip(["out", "dq", "dk", "dv"], (got[0], *got[2:]), (want[0], *want[2:]), strict=True):
             assert not np.isnan(np.asarray(a)).any(), f"{label}: NaN in {name}"
             assert relative_error(a, b) < 3e-2, f"{label}: {name}"
+
+
+@pytest.mark.skipif(not grouped.tokamax_installed(), reason=f"needs tokamax: {grouped.TOKAMAX_INSTALL}")
+def test_tokamax_grouped_matmul_equals_ragged_dot_on_gpu():
+    """The experts' grouped matmul (parallel/grouped.py) by tokamax's kernels equals `ragged_dot` in its output and
+    both gradients, on groups of uneven sizes (one empty) that leave padding rows past them."""
+    rows, embed, mlp, sizes = 1024, 256, 512, [300, 0, 129, 64, 400]
+    rng = np.random.default_rng(0)
+    x = jax.device_put(jnp.asarray(rng.normal(size=(rows, embed)), jnp.bfloat16), GPU)
+    w = jax.device_put(jnp.asarray(rng.normal(size=(len(sizes), embed, mlp)) / 16, jnp.bfloat16), GPU)
+    group_sizes = jax.device_put(jnp.asarray(sizes, jnp.int32), GPU)
+    filled = sum(sizes)
+
+    def loss(implementation, x, w):
+        with use_parallelism(Parallelism(grouped_matmul=implementation, device=GPU)):
+            out = grouped.ragged_dot(x, w, group_sizes)[:filled].astype(jnp.float32)
+        return jnp.sum(jnp.sin(out)), out
+
+    got, want = (
+        jax.jit(jax.value_and_grad(lambda x, w, i=i: loss(i, x, w), argnums=(0, 1), has_aux=True))(x, w)
+        for i in ("tokamax", "xla")
+    )
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert relative_error(a, b) < 2e-2

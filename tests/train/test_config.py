@@ -15,7 +15,7 @@ import yaml
 import models
 from layers import moe, rope
 from models import dtypes, remat
-from parallel import experts, kernels, reorder, strategies
+from parallel import experts, grouped, kernels, reorder, strategies
 from parallel.parallelism import RING_GRAD_DTYPES
 from train.config import CHOICES, ConfigError, ModelConfig, RopeScalingConfig, load_config, to_dict
 from train.data import files, packing, record
@@ -297,6 +297,7 @@ def test_every_choice_comes_from_the_registry_that_implements_it():
         "parallel.context_strategy": strategies.STRATEGIES,
         "parallel.balance_layout": [layout for layout in reorder.LAYOUTS if layout != "contiguous"],
         "parallel.expert_dispatch": ("auto", *experts.DISPATCHES),
+        "parallel.grouped_matmul": ("auto", *grouped.GROUPED_MATMULS),
         "parallel.attention_kernel": kernels.KERNELS,
         "parallel.ring_grad_dtype": RING_GRAD_DTYPES,
     }

@@ -127,6 +127,32 @@ def test_an_attention_call_takes_its_visible_pairs_at_its_kernel_rate():
     assert cost(program(backward, parameters=operands)).flops[speed.ATTENTION] == pytest.approx(2.5 * dense / 2)
 
 
+def test_a_grouped_matmul_kernel_takes_the_rows_a_balanced_load_fills_at_the_matmul_rate():
+    """tokamax's grouped matmul (parallel/grouped.py) over a receive buffer of 65536 rows, 1/4 of them filled by a
+    balanced load: forward (x [rows, 2048] x w [16, 2048, 768]) and the weight gradient (its [16, 2048, 768] result)
+    each cost 2 x rows/4 x 2048 x 768; the same call outside the grouped scope is not costed as one."""
+    operands = (
+        "  %rows = bf16[65536,2048]{1,0} parameter(3)\n  %w = bf16[16,2048,768]{2,1,0} parameter(4)\n"
+        "  %dout = bf16[65536,768]{1,0} parameter(5)\n  %groups = s32[16]{0} parameter(6)\n"
+    )
+    scope = "jit(f)/grouped_matmul_filled_0.2500/grouped_matmul/ragged_dot_sm90/mpmd_map"
+    forward = (
+        '  ROOT %call = bf16[65536,768]{1,0} custom-call(%rows, %w, %groups), custom_call_target="mosaic_gpu_v2", '
+        f'metadata={{op_name="{scope}"}}'
+    )
+    weights = (
+        '  ROOT %call = bf16[16,2048,768]{2,1,0} custom-call(%groups, %rows, %dout), custom_call_target="mosaic_gpu_v2"'
+        f', metadata={{op_name="{scope}"}}'
+    )
+    flops = 2.0 * 65536 / 4 * 2048 * 768
+    for call in (forward, weights):
+        tally = cost(program(call, parameters=operands))
+        assert tally.flops[speed.MATMULS] == pytest.approx(flops) and set(tally.parts) == {speed.MATMULS}
+        assert tally.seconds == pytest.approx(flops / RATES.matmul)
+    unscoped = forward.replace("grouped_matmul_filled_0.2500/grouped_matmul/", "")
+    assert cost(program(unscoped, parameters=operands)).flops[speed.MATMULS] == 0
+
+
 def test_a_fusion_that_slices_an_operand_reads_the_slice():
     fused = (
         "%fused (p0: bf16[8192,8192], p1: s32[]) -> bf16[1,8192] {\n"

@@ -163,6 +163,9 @@ class ParallelConfig:
     # that many times an expert's balanced load, dropping the assignments past them (logged as "dropped"). It acts
     # only where experts split over devices (mesh.expert > 1): on one device every token is kept; --plan says which
     expert_capacity_factor: float | None = None
+    # the experts' grouped matmul under the ragged dispatch: xla (ragged_dot; XLA's GPU compiler runs it dense over
+    # every group) | tokamax (its Hopper kernel; the tokamax extra) | auto: tokamax on Hopper+ GPUs where installed
+    grouped_matmul: str = "auto"
     expert_chunk_size: int = 0  # at most this many tokens per device through an MoE block at once; 0 = all
 
 

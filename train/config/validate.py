@@ -20,7 +20,7 @@ from parallel.kernels import KERNELS
 from parallel.mesh import MeshError, check_batch
 from parallel.parallelism import RING_GRAD_DTYPES
 from parallel.reorder import LAYOUTS
-from parallel.settings import EXPERT_DISPATCHES, check_context, check_tensor
+from parallel.settings import EXPERT_DISPATCHES, GROUPED_MATMUL_SETTINGS, check_context, check_tensor
 from parallel.strategies import STRATEGIES
 from train.config.schema import FORMATS, MU_DTYPES, ON_CHANGE, PACKINGS, Config, MeshConfig
 
@@ -41,6 +41,7 @@ CHOICES = {
     "parallel.context_strategy": tuple(STRATEGIES),
     "parallel.balance_layout": tuple(layout for layout in LAYOUTS if layout != "contiguous"),
     "parallel.expert_dispatch": EXPERT_DISPATCHES,
+    "parallel.grouped_matmul": GROUPED_MATMUL_SETTINGS,
     "parallel.attention_kernel": KERNELS,
     "parallel.ring_grad_dtype": RING_GRAD_DTYPES,
 }

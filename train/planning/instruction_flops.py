@@ -1,6 +1,7 @@
 """The FLOPs of a compiled program's instructions, as the speed estimate (train/planning/speed.py) costs them: dots and
-the TPU compiler's convolutions as XLA's cost analysis counts them, cuBLAS calls by their dot dimensions, and fused
-attention calls (cuDNN, FlashAttention-3, Pallas, splash) as multiples of their dense forward."""
+the TPU compiler's convolutions as XLA's cost analysis counts them, cuBLAS calls by their dot dimensions, grouped
+matmul kernels by their shapes and the share of rows a balanced load fills, and fused attention calls (cuDNN,
+FlashAttention-3, Pallas, splash) as multiples of their dense forward."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ SPLASH_CALLS = {"splash_mha_fwd": 1.0, "splash_mha_dq": 1.5, "splash_mha_dkv": 2
 ATTENTION_CALLS = {"attention_forward": 1.0, "attention_dkdv": 1.5, "attention_dq": 1.0, "attention_dk": 1.0,
                    "attention_dv": 0.5}  # fmt: skip
 ROWS = re.compile(r"packed_rows_(\d+)")  # FlashAttention-3's flattened rows (parallel/kernels/flash3.py)
+# a grouped-matmul kernel that skips the rows past its groups (tokamax's, parallel/grouped.py): its scope, and the
+# share of its rows a balanced load fills
+GROUPED = "/grouped_matmul/"
+FILLED = re.compile(r"grouped_matmul_filled_([0-9.]+)")
 
 
 def _dims(name: str, computation: hlo.Computation) -> tuple[int, ...]:
@@ -91,6 +96,24 @@ def gemm_flops(instruction: hlo.Instruction, computation: hlo.Computation) -> fl
     lhs = _dims(instruction.operands[0], computation)
     contracted = math.prod(lhs[int(d)] for d in re.findall(r"\d+", contracting.group(1))) if contracting else 1
     return 2.0 * math.prod(instruction.shape[0].dims) * contracted
+
+
+def grouped_share(instruction: hlo.Instruction, target: str) -> float:
+    """The share of its rows a grouped-matmul kernel computes under a balanced load (1 where its scope names none),
+    or 0 for a call that is not one."""
+    if not (target.startswith("mosaic_gpu") and GROUPED in instruction.op_name):
+        return 0.0
+    return float((FILLED.findall(instruction.op_name) or ["1"])[-1])
+
+
+def grouped_flops(instruction: hlo.Instruction, computation: hlo.Computation) -> float:
+    """2 x rows x a x b of a grouped matmul over all its rows: of its floating operands and result, two are 2-D,
+    [rows, a] and [rows, b] either way round (x and out; x and dout for dw), and one [groups, a, b] (w, or dw): the
+    product of the two's sizes and a x b is (rows x a x b) squared."""
+    arrays = [computation.by_name[o].shape[0] for o in instruction.operands if o in computation.by_name]
+    floating = [a.dims for a in (*arrays, instruction.shape[0]) if a.dtype[0] in "fb"]
+    (first, second), weights = [d for d in floating if len(d) == 2], next(d for d in floating if len(d) == 3)
+    return 2.0 * math.sqrt(math.prod(first) * math.prod(second) * math.prod(weights[1:]))
 
 
 def attention_multiple(instruction: hlo.Instruction, target: str) -> float:

@@ -75,6 +75,7 @@ class MemoryPlan:
     hosts: tuple[int, ...]  # the process (host) of each partition of the compiled program
     compile_seconds: float
     compiled: jax.stages.Compiled = dataclasses.field(repr=False, compare=False)
+    grouped_matmul: str = "xla"  # the ragged dispatch's (parallel/grouped.py)
 
     @property
     def total(self) -> int:
@@ -160,6 +161,7 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
         mesh={name: size for name, size in mesh.shape.items() if size > 1},
         attention_kernel=parallelism.kernel,
         expert_dispatch=parallelism.expert_dispatch if config.model.num_experts else "none",
+        grouped_matmul=parallelism.grouped_matmul,
         expert_axes=expert_axes(mesh, config.model.num_experts) if config.model.num_experts else (),
         config=config,
         hosts=tuple(d.process_index for d in mesh.devices.flat),
@@ -185,6 +187,8 @@ def format_plan(plan: MemoryPlan, device_memory: int | None = None) -> str:
         ("total", plan.total, "arguments + temporaries + outputs not in place"),
     ]
     dispatch = "" if plan.expert_dispatch == "none" else f", expert dispatch {plan.expert_dispatch}"
+    if plan.expert_dispatch == "ragged":
+        dispatch += f" ({plan.grouped_matmul} grouped matmul)"
     lines = [
         f"memory plan: {plan.devices} {plan.platform} devices ({plan.device_kind}), mesh {mesh}; batch "
         f"{t.batch_size} x {plan.config.data.seq_len} tokens in {t.grad_accum_steps} micro-batch(es); remat "
@@ -221,10 +225,14 @@ def _capacity_line(plan: MemoryPlan) -> str:
         unused = "" if factor is None else f"; parallel.expert_capacity_factor={factor} has no effect here"
         return f"experts: every device runs all of them on its own tokens, dropless (no expert-parallel axis){unused}"
     axes = " x ".join(f"{axis}={plan.mesh.get(axis, 1)}" for axis in plan.expert_axes)
+    matmul = {
+        "tokamax": "; the speed estimate costs tokamax's grouped matmuls at the rows a balanced load fills",
+        "xla": "; XLA's GPU compiler runs ragged_dot dense over every local expert (parallel.grouped_matmul)",
+    }[plan.grouped_matmul] * (plan.expert_dispatch == "ragged" and plan.platform == "gpu")
     if factor is None:
-        return f"experts: split over {axes}, dropless (parallel.expert_capacity_factor unset)"
+        return f"experts: split over {axes}, dropless (parallel.expert_capacity_factor unset){matmul}"
     return (
         f"experts: split over {axes}; the {plan.expert_dispatch} dispatch keeps at most {factor} x the balanced load "
         f"(parallel.expert_capacity_factor) and drops the assignments past it, counted as expert_dropped; on one "
-        f"device, or unset, none is dropped"
+        f"device, or unset, none is dropped{matmul}"
     )

@@ -30,9 +30,8 @@ def run_parallelism(config: Config, mesh, waiting: first_contact.Waiting = conte
         dtype=compute_dtype(config.compute),
         waiting=waiting,
     )
-    log.info(
-        "attention kernel %s%s",
-        parallelism.kernel,
-        f", expert dispatch {parallelism.expert_dispatch}" * bool(m.num_experts),
-    )
+    dispatch = f", expert dispatch {parallelism.expert_dispatch}" if m.num_experts else ""
+    if m.num_experts and parallelism.expert_dispatch == "ragged":
+        dispatch += f" ({parallelism.grouped_matmul} grouped matmul)"
+    log.info("attention kernel %s%s", parallelism.kernel, dispatch)
     return parallelism

@@ -30,7 +30,15 @@ from parallel.kernels.visible import FALLBACK
 from parallel.rates import Rates
 from train.planning import hlo
 from train.planning.flops import PEAK_FLOPS, flops_per_token
-from train.planning.instruction_flops import GEMMS, MATMUL_OPS, attention_flops, attention_multiple, gemm_flops
+from train.planning.instruction_flops import (
+    GEMMS,
+    MATMUL_OPS,
+    attention_flops,
+    attention_multiple,
+    gemm_flops,
+    grouped_flops,
+    grouped_share,
+)
 
 FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "partition-id", "replica-id", "after-all",
@@ -195,8 +203,10 @@ class Estimator:
         target = instruction.attribute(r'custom_call_target="([^"]+)"') or ""
         scope = SCOPE.findall(instruction.op_name)
         kernel, visible = (scope[-1][0], float(scope[-1][1])) if scope else (None, 1.0)
-        flops, rate, part = 0.0, rates.matmul, MEMORY_BOUND
-        if op == "custom-call" and (multiple := attention_multiple(instruction, target)):
+        flops, rate, part, read = 0.0, rates.matmul, MEMORY_BOUND, 1.0
+        if op == "custom-call" and (share := grouped_share(instruction, target)):  # the rows it fills: read, computed
+            flops, part, read = share * grouped_flops(instruction, computation), MATMULS, share
+        elif op == "custom-call" and (multiple := attention_multiple(instruction, target)):
             flops = visible * multiple * attention_flops(instruction, computation, target)
             default = next(iter(rates.attention))
             rate, part = rates.attention.get(kernel or default, rates.attention[default]), ATTENTION
@@ -211,7 +221,7 @@ class Estimator:
                 part = MATMULS
         if part == MEMORY_BOUND and kernel:
             part = ATTENTION_GLUE
-        seconds = max(flops / rate, self.bytes(instruction, computation) / rates.memory, rates.kernel)
+        seconds = max(flops / rate, read * self.bytes(instruction, computation) / rates.memory, rates.kernel)
         return part, flops, seconds
 
     def dot_flops(self, instruction: hlo.Instruction, computation: hlo.Computation) -> float:
