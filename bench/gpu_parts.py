@@ -379,8 +379,21 @@ def _ceiling(args) -> float | None:
     return json.loads(path.read_text())["matmul_tflops"] if path.exists() else None
 
 
+def grouped(rows: Rows, args) -> None:
+    """The experts' grouped-matmul bake-off (bench/gpu_grouped.py, which reads this module's helpers), at this run's
+    matmul ceiling."""
+    from bench.gpu_grouped import grouped_bakeoff
+
+    grouped_bakeoff(rows, args, _ceiling(args))
+
+
 PARTS = dict(
-    ceilings=ceilings, kernel_tests=kernel_tests, tiny_train=tiny_train, kernels=kernel_bakeoff, llama_1b=llama_1b
+    ceilings=ceilings,
+    kernel_tests=kernel_tests,
+    tiny_train=tiny_train,
+    kernels=kernel_bakeoff,
+    llama_1b=llama_1b,
+    grouped=grouped,
 )
 
 

@@ -11,6 +11,9 @@ Parts (bench/gpu_parts.py):
                 FlashAttention-3 and Pallas for the recipes' heads (GQA 32/8 x 128 and x 64, MLA 16 x 192/128, GQA
                 16/2 x 256) at 8K, 32K and 128K on rows of 1, 2 and 16 documents, most important first: TFLOP/s per
                 visible pair, as a fraction of the matmul ceiling, and at 8K the errors against blockwise in float32
+  grouped       the experts' grouped matmul (bench/gpu_grouped.py): tokamax's kernel and XLA's ragged_dot at one
+                device's share of the Qwen3.5-35B-A3B recipe, in a receive buffer of 1.25 x a balanced load and a
+                dropless one: ms, TFLOP/s on the filled rows, errors
   llama_1b      a Llama 3.2 1B train step on one GPU with `auto` at 128K (compile included in its box): tokens/s,
                 MFU (train/planning/flops.py), peak device memory; llama_1b=KERNEL:LENGTH runs another
   kernel_tests  tests/parallel/test_gpu_kernels.py (cuDNN, FlashAttention-3 and Pallas against blockwise on the GPU),
@@ -50,7 +53,8 @@ PARTS = (
     ("ceilings", "", 25, None),
     # what its box reaches of bakeoff_order (bench/gpu_parts.py), most important first; a case compiles a kernel's
     # forward and backward at one shape and times three calls
-    ("kernels", "", 150, 60),
+    ("kernels", "", 125, 60),
+    ("grouped", "", 25, None),  # tokamax's and XLA's grouped matmul: compiles of a few seconds, calls of milliseconds
     ("llama_1b", "auto:131072", 150, None),  # compile 40-60 s, then a warm-up and a timed step of 15-25 s each
     ("kernel_tests", "", 90, None),  # cuDNN, FlashAttention-3 and Pallas over 12 workers (cuDNN, Pallas: 78 s over 8)
     ("tiny_train", "", 55, None),  # 42 s on an H200

@@ -24,6 +24,7 @@ from parallel.kernels.blockwise import (
     side_block,
     take_block,
 )
+from parallel.kernels.visible import LOOP, loop_trips
 
 
 class Selection(NamedTuple):
@@ -62,6 +63,7 @@ def top_k(q, weights, k, q_tokens: Tokens, kv_tokens: Tokens, *, count: int, opt
     k, kv_tokens = pad(k, 1, bk), pad_keys(kv_tokens, bk)
     kinds = pair_kinds(q_tokens, kv_tokens, bq, bk, options)
     first, last = block_ranges(kinds > SKIP)
+    trips = loop_trips(q_tokens, kv_tokens, options, kinds.shape[-1])
 
     def q_block(flat):
         b, i = flat // nq, flat % nq
@@ -81,7 +83,8 @@ def top_k(q, weights, k, q_tokens: Tokens, kv_tokens: Tokens, *, count: int, opt
             return lax.cond(kinds[b, i, j] > SKIP, merge, lambda _, best: best, j, best)
 
         none = Selection(jnp.zeros((bq, count), jnp.int32), jnp.full((bq, count), -jnp.inf, jnp.float32))
-        return lax.fori_loop(first[b, i], last[b, i], step, none)
+        with jax.named_scope(LOOP.format(trips=trips)):  # bounds decided at run time: the trips the estimate costs
+            return lax.fori_loop(first[b, i], last[b, i], step, none)
 
     selected, scores = (x.reshape(batch, nq * bq, count)[:, :tq] for x in lax.map(q_block, jnp.arange(batch * nq)))
     return Selection(jnp.where(scores > -jnp.inf, selected, 0), scores)
