@@ -43,11 +43,6 @@ class IndexerOutput(NamedTuple):
     weights: jax.Array
 
 
-# the top-k's blocks: 64 queries keep a running top-k, merged with the scores of 256 keys at a time (the dense
-# warm-up's loss walks the same blocks)
-SELECTION_OPTIONS = Options(causal=True, block_q=64, block_kv=256)
-
-
 def sparse_attention(q, latent: Latent, *, indexer_out: IndexerOutput, count: int, segment_ids=None, scale=None):
     """Causal MLA of each query over the `count` visible keys of highest index score. q [batch, length, heads,
     nope + rope], MLA's `latent` (parallel.Latent), `segment_ids` [batch, length] (0 = padding) -> (out [batch,
@@ -109,12 +104,20 @@ def _attend(
     each query's selection -> (out in the latent's space [batch, n, heads, kv_lora], the indexer's loss [batch, n]);
     `heads` in all, split over `heads_axis` (if any), where their probabilities are summed."""
     indexer_q, indexer_k, indexer_w = indexer_out
-    selection = top_k(indexer_q, indexer_w, indexer_k, q_tokens, kv_tokens, count=count, options=SELECTION_OPTIONS)
+    selection = top_k(indexer_q, indexer_w, indexer_k, q_tokens, kv_tokens, count=count, options=_blocks())
     # one key and value head, shared by every query head: the rows, whose first kv_lora features are the values
     out, probabilities = selected_attention.attention(queries, rows[:, :, None], lora, selection, scale=scale)
     if heads_axis is not None:
         probabilities = lax.psum(probabilities, heads_axis)
     return out, selection_kl(indexer_q, indexer_w, indexer_k, selection, probabilities / heads)
+
+
+def _blocks() -> Options:
+    """The selection's blocks, the parallelism's (parallel.block_q / block_kv): each block of block_q queries fills
+    its row of scores block_kv keys at a time (the dense warm-up's loss walks the same blocks); large blocks make
+    few kernels."""
+    parallelism = current_parallelism()
+    return Options(causal=True, block_q=parallelism.block_q, block_kv=parallelism.block_kv)
 
 
 def _warmup(queries, rows, indexer_out: IndexerOutput, q_tokens, kv_tokens, *, scale, heads_axis=None):
@@ -125,7 +128,7 @@ def _warmup(queries, rows, indexer_out: IndexerOutput, q_tokens, kv_tokens, *, s
     indexer_q, indexer_k, indexer_w = indexer_out
     return dense_kl(
         queries, rows[:, :, None], indexer_q, indexer_w, indexer_k, q_tokens, kv_tokens, scale=scale,
-        options=SELECTION_OPTIONS,
+        options=_blocks(),
     )  # fmt: skip
 
 

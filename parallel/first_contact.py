@@ -258,23 +258,19 @@ def checked(
 
 
 def _checked_dispatch(parallelism: Parallelism, mesh, experts, dtype, waiting: Waiting, kind: str) -> Parallelism:
-    """`parallelism` with the first of its ragged dispatch, the same with XLA's grouped matmul (after tokamax's) and
-    the capacity dispatch that agrees with the capacity dispatch (the last kept unchecked), a warning for each that
-    does not."""
+    """The first that agrees with the capacity dispatch of: `parallelism`'s ragged dispatch; the same with XLA's
+    grouped matmul (where it had tokamax's); else the capacity dispatch itself. A warning for each that does not."""
     tried = [parallelism]
     if parallelism.grouped_matmul != "xla":
         tried.append(dataclasses.replace(parallelism, grouped_matmul="xla"))
     for candidate, after in zip(tried, [*tried[1:], None], strict=True):
-        matmul = candidate.grouped_matmul
+        what = f"ragged expert dispatch ({candidate.grouped_matmul} grouped matmul)"
         problem = dispatch_error(candidate, mesh, *experts, dtype, waiting)
         if not problem:
-            log.info("ragged expert dispatch (%s grouped matmul) checked against the capacity dispatch on %s", matmul,
-                     kind)  # fmt: skip
+            log.info("%s checked against the capacity dispatch on %s", what, kind)
             return candidate
-        log.warning(
-            "ragged expert dispatch (%s grouped matmul) disagrees with the capacity dispatch on %s (%s): %s", matmul,
-            kind, problem, "this run uses the capacity dispatch" if after is None else "trying the xla grouped matmul",
-        )  # fmt: skip
+        then = "this run uses the capacity dispatch" if after is None else "trying the xla grouped matmul"
+        log.warning("%s disagrees with the capacity dispatch on %s (%s): %s", what, kind, problem, then)
     return dataclasses.replace(parallelism, expert_dispatch="capacity")
 
 

@@ -49,11 +49,11 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 # tokamax picks its kernels' tiles for JAX's default device when it traces them, so they trace with the parallelism's
-# device as the default (a compile-only GPU when planning). Its kernels' results are not typed by the mesh axes their
-# operands vary over inside a shard_map (typed invariant, a varying result would have its cotangent summed over the
-# devices), so the forward gives out the axes x and w vary over, and the backward calls its kernels directly (dx: the
-# grouped matmul with w transposed; dw: per group x^T dout; its own backward fails on the types) and gives each result
-# the axes its primal varies over.
+# device as the default (a compile-only GPU when planning). Inside a shard_map its kernels' results are typed as the
+# same on every device whatever their operands vary over, and JAX would then sum the cotangent of such a result over
+# the devices; so the forward gives out the mesh axes x and w vary over, and the backward calls the kernels itself (dx:
+# the grouped matmul with w transposed; dw: per group x^T dout; tokamax's own backward fails on the types) and gives
+# each gradient the axes its primal varies over.
 WEIGHT_GRADIENT = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
 )

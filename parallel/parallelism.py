@@ -13,6 +13,7 @@ import contextvars
 import dataclasses
 import math
 
+from jax import Device
 from jax.sharding import Mesh
 
 RING_GRAD_DTYPES = ("float32", "compute")
@@ -45,7 +46,7 @@ class Parallelism:
     interpret: bool = False
     platform: str | None = None
     capability: str | None = None
-    device: object = None
+    device: Device | None = None
     scatter: bool = True
     expert_dispatch: str = "capacity"
     expert_capacity: float = math.inf

@@ -12,12 +12,10 @@ from jax import lax
 
 from parallel.kernels.arguments import Options, Tokens
 from parallel.kernels.blockwise import (
-    SKIP,
     pad,
     pad_keys,
     pad_queries,
     padded_blocks,
-    pair_kinds,
     pair_mask,
     side_block,
     take_block,
@@ -66,8 +64,9 @@ def dense_kl(
     """The attention's q [batch, tq, heads, dqk] and k [batch, tk, kv_heads, dqk], the indexer's queries indexer_q
     [batch, tq, index_heads, d], weights [batch, tq, index_heads] and keys indexer_k [batch, tk, d], both sides' tokens
     -> KL(p || softmax of the index scores) over every visible key, per query [batch, tq] float32 (0 without keys),
-    where p is the attention's probabilities summed over heads / heads. Two passes over key blocks per query block: the
-    log-sum-exps of the attention (each head) and of the index scores, then sum p log p and sum p x index score."""
+    where p is the attention's probabilities summed over heads / heads. Two passes over every key block per query block
+    (scans of static length, no branch per block: an invisible block adds nothing): the log-sum-exps of the attention
+    (each head) and of the index scores, then sum p log p and sum p x index score."""
     q, k = lax.stop_gradient(q), lax.stop_gradient(k)
     batch, tq, heads, dqk = q.shape
     kv_heads, tk = k.shape[2], k.shape[1]
@@ -81,7 +80,6 @@ def dense_kl(
         pad_queries(q_tokens, bq),
     )
     k, indexer_k, kv_tokens = pad(k, 1, bk), pad(indexer_k, 1, bk), pad_keys(kv_tokens, bk)
-    visible_blocks = pair_kinds(q_tokens, kv_tokens, bq, bk, options) > SKIP
 
     @jax.checkpoint
     def q_block(flat):
@@ -102,20 +100,14 @@ def dense_kl(
             return jnp.where(mask[:, None, None], s * scale, -jnp.inf), jnp.where(mask, indexer_s, -jnp.inf)
 
         def lse_step(carry, j):
-            def add(carry):
-                (top, total), (indexer_top, indexer_total) = carry
-                s, indexer_s = scores(j)
-                return _online(top, total, s), _online(indexer_top, indexer_total, indexer_s)
-
-            return lax.cond(visible_blocks[b, i, j], add, lambda c: c, carry), None
+            (top, total), (indexer_top, indexer_total) = carry
+            s, indexer_s = scores(j)
+            return (_online(top, total, s), _online(indexer_top, indexer_total, indexer_s)), None
 
         def kl_step(sums, j):
-            def add(sums):
-                s, indexer_s = scores(j)
-                p = jnp.exp(s - attention_lse[..., None]).sum((1, 2)) / heads  # [bq, bk]
-                return sums[0] + _x_log_x(p).sum(-1), sums[1] + jnp.where(p > 0, p * indexer_s, 0.0).sum(-1)
-
-            return lax.cond(visible_blocks[b, i, j], add, lambda s: s, sums), None
+            s, indexer_s = scores(j)
+            p = jnp.exp(s - attention_lse[..., None]).sum((1, 2)) / heads  # [bq, bk]
+            return (sums[0] + _x_log_x(p).sum(-1), sums[1] + jnp.where(p > 0, p * indexer_s, 0.0).sum(-1)), None
 
         start = lambda shape: (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32))
         steps = jnp.arange(nk)

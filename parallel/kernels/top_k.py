@@ -1,7 +1,8 @@
 """The lightning indexer's selection (DeepSeek-V3.2's sparse attention): for each query, the `count` visible keys of
-highest index score score[s, t] = sum_h w[s, h] relu(q[s, h] . k[t]), found by blocks of queries over blocks of keys
-with a running top-k, so memory is O(T * count) and no [tq, tk] score matrix exists. What a query may see is the
-attention kernels' (parallel.kernels.arguments): segment ids, causality and windows by global index."""
+highest index score score[s, t] = sum_h w[s, h] relu(q[s, h] . k[t]), found per block of queries from its row of
+scores: memory O(T x count) for the selection and O(block_q x T) for a block's row, no [tq, tk] score matrix. What a
+query may see is the attention kernels' (parallel.kernels.arguments): segment ids, causality and windows by global
+index."""
 
 from __future__ import annotations
 
@@ -9,22 +10,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from parallel.kernels.arguments import Options, Tokens
-from parallel.kernels.blockwise import (
-    SKIP,
-    block_ranges,
-    pad,
-    pad_keys,
-    pad_queries,
-    padded_blocks,
-    pair_kinds,
-    pair_mask,
-    side_block,
-    take_block,
-)
-from parallel.kernels.visible import LOOP, loop_trips
+from parallel.kernels.blockwise import pad, pad_keys, pad_queries, padded_blocks, pair_mask, side_block, take_block
 
 
 class Selection(NamedTuple):
@@ -52,39 +42,39 @@ def top_k(q, weights, k, q_tokens: Tokens, kv_tokens: Tokens, *, count: int, opt
     """q [batch, tq, heads, d], weights [batch, tq, heads], k [batch, tk, d]; both sides' tokens given -> the
     Selection of each query's `count` (at most tk) best visible keys by index score, of equal scores the earliest
     (by global index, so any layout of the keys selects the same ones). Not differentiable: the indexer's loss
-    recomputes the scores of the selection."""
+    recomputes the scores of the selection.
+
+    Per block of `block_q` queries (a map): the scores against every key, `block_kv` keys at a time by a loop of
+    static trip count with the heads reduced inside each block ([block_q, heads, block_kv] at most), written into
+    the block's [block_q, tk] row of scores in global key order with the invisible pairs at -inf; then one top-k of
+    that row, whose ties go to the earlier key. No loop bound or branch is decided at run time (on a GPU each would
+    read a value back to the host), at the cost of scoring the invisible key blocks too."""
     q, weights, k = (lax.stop_gradient(x) for x in (q, weights, k))
     batch, tq, tk = q.shape[0], q.shape[1], k.shape[1]
     if not 0 < count <= tk:
         raise ValueError(f"top-k count {count}: give 1 to the {tk} keys")
     bq, nq = padded_blocks(tq, options.block_q)
-    bk, _ = padded_blocks(tk, options.block_kv)
+    bk, nk = padded_blocks(tk, options.block_kv)
     q, weights, q_tokens = pad(q, 1, bq), pad(weights, 1, bq), pad_queries(q_tokens, bq)
-    k, kv_tokens = pad(k, 1, bk), pad_keys(kv_tokens, bk)
-    kinds = pair_kinds(q_tokens, kv_tokens, bq, bk, options)
-    first, last = block_ranges(kinds > SKIP)
-    trips = loop_trips(q_tokens, kv_tokens, options, kinds.shape[-1])
+    index = kv_tokens.index  # the keys in global order: static where the layout is
+    order = np.argsort(index, kind="stable") if isinstance(index, np.ndarray) else jnp.argsort(index, stable=True)
+    k = pad(jnp.take(k, order, axis=1), 1, bk)
+    kv_tokens = pad_keys(Tokens(jnp.take(kv_tokens.segment_ids, order, axis=1), index[order]), bk)
+    position = pad(jnp.asarray(order, jnp.int32), 0, bk)  # of each key in global order, in the keys' array
 
     def q_block(flat):
         b, i = flat // nq, flat % nq
         q_blk, w_blk = take_block(q, b, i, bq), take_block(weights, b, i, bq)
         q_side = side_block(q_tokens, b, i, bq)
 
-        def merge(j, best: Selection) -> Selection:
+        def score(j, row):
             s = index_scores(q_blk, w_blk, take_block(k, b, j, bk))
             visible = pair_mask(q_side, side_block(kv_tokens, b, j, bk), causal=options.causal, window=options.window)
-            scores = jnp.concatenate([best.scores, jnp.where(visible, s, -jnp.inf)], -1)
-            positions = jnp.concatenate([best.selected, jnp.broadcast_to(j * bk + jnp.arange(bk), (bq, bk))], -1)
-            # best first, equal scores by global index: the same keys whatever the layout's order
-            negated, _, positions = lax.sort((-scores, kv_tokens.index[positions], positions), num_keys=2)
-            return Selection(positions[:, :count], -negated[:, :count])
+            return lax.dynamic_update_slice_in_dim(row, jnp.where(visible, s, -jnp.inf), j * bk, axis=1)
 
-        def step(j, best):
-            return lax.cond(kinds[b, i, j] > SKIP, merge, lambda _, best: best, j, best)
-
-        none = Selection(jnp.zeros((bq, count), jnp.int32), jnp.full((bq, count), -jnp.inf, jnp.float32))
-        with jax.named_scope(LOOP.format(trips=trips)):  # bounds decided at run time: the trips the estimate costs
-            return lax.fori_loop(first[b, i], last[b, i], step, none)
+        row = lax.fori_loop(0, nk, score, jnp.full((bq, nk * bk), -jnp.inf, jnp.float32))
+        scores, best = lax.top_k(row, count)
+        return jnp.where(scores > -jnp.inf, position[best], 0), scores
 
     selected, scores = (x.reshape(batch, nq * bq, count)[:, :tq] for x in lax.map(q_block, jnp.arange(batch * nq)))
-    return Selection(jnp.where(scores > -jnp.inf, selected, 0), scores)
+    return Selection(selected, scores)

@@ -1,9 +1,7 @@
 """Kernel calls named in the compiled program with the share of their (query, key) pairs a query may see, so that the
 speed estimate (train/planning/speed.py) costs the work a kernel does rather than its dense [tq, tk] shape: a call runs
 in the named scope `attention_<kernel>_visible_<share>`, and the general kernel that cuDNN's calls run when a row
-turns out to have more documents than they serve in the scope `fallback` (a run-time branch, not the usual path).
-A loop over key blocks whose bounds are data runs in the scope `block_loop_trips_<trips>`: the blocks its query block
-sees on average by the same share, the trip count the estimate costs it at."""
+turns out to have more documents than they serve in the scope `fallback` (a run-time branch, not the usual path)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ from parallel.kernels.arguments import Options, Tokens
 
 SCOPE = "attention_{kernel}_visible_{share:.4f}"
 FALLBACK = "fallback"
-LOOP = "block_loop_trips_{trips}"
 
 
 def share(q_tokens: Tokens, kv_tokens: Tokens, options: Options) -> float:
@@ -35,12 +32,6 @@ def share(q_tokens: Tokens, kv_tokens: Tokens, options: Options) -> float:
     if options.window is not None:
         seen = seen - np.searchsorted(keys, q_index - options.window, side="right")
     return float(seen.sum()) / max(1, q_index.size * keys.size)
-
-
-def loop_trips(q_tokens: Tokens, kv_tokens: Tokens, options: Options, blocks: int) -> int:
-    """Of `blocks` key blocks, how many a query block's loop visits on average by the visible `share` (the diagonal
-    block counted whole): the scope `LOOP` names it."""
-    return min(blocks, max(1, round(share(q_tokens, kv_tokens, options) * blocks + 0.5)))
 
 
 def named(kernel: str, call: Callable) -> Callable:

@@ -110,12 +110,6 @@ def test_a_loop_costs_its_body_times_its_trips_and_a_conditional_its_costliest_u
     assert chosen.seconds == pytest.approx(4 * one)  # the fallback branch's matmul is left out
     unknown = cost(program(loop.replace('"n":"4"', '"m":"4"'), body, cheap))
     assert unknown.seconds == pytest.approx(one) and unknown.unknown_loops == 1
-    # bounds decided at run time, the trips its shapes give named in its scope (parallel/kernels/visible.py)
-    named = loop.replace(
-        'backend_config={"known_trip_count":{"n":"4"}}', 'metadata={op_name="jit(f)/block_loop_trips_3/w"}'
-    )
-    shaped = cost(program(named, body, cheap))
-    assert shaped.seconds == pytest.approx(3 * one) and (shaped.unknown_loops, shaped.shaped_loops) == (0, 1)
 
 
 def test_an_attention_call_takes_its_visible_pairs_at_its_kernel_rate():

@@ -47,7 +47,6 @@ FREE = {
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 SCOPE = re.compile(r"attention_(\w+?)_visible_([0-9.]+)")
 TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
-LOOP_TRIPS = re.compile(r"block_loop_trips_(\d+)")  # a run-time bounded loop's trips by its shapes (kernels/visible.py)
 ATTENTION = "attention kernels"
 ATTENTION_GLUE = "attention glue (copies, pads)"
 MATMULS = "matmuls"
@@ -59,7 +58,7 @@ class Tally:
     """Seconds of a schedule, `parts` splitting them by what the compute stream spent them on (kernels by kind,
     waits for collectives as '<collective> exposed'); `collectives` the seconds each kind of collective took on its
     stream, hidden or not; `flops` by kind; `kernels` how many kernels ran; `unknown_loops` the loops whose trip
-    count is decided at run time (counted once), `shaped_loops` those costed at the trip count their shapes give."""
+    count is decided at run time (counted once)."""
 
     seconds: float = 0.0
     kernels: float = 0.0
@@ -67,13 +66,11 @@ class Tally:
     collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     flops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     unknown_loops: int = 0
-    shaped_loops: int = 0
 
     def add(self, other: Tally, times: float = 1.0) -> None:
         self.seconds += other.seconds * times
         self.kernels += other.kernels * times
         self.unknown_loops += other.unknown_loops
-        self.shaped_loops += other.shaped_loops
         for mine, theirs in (
             (self.parts, other.parts),
             (self.collectives, other.collectives),
@@ -155,14 +152,13 @@ class Estimator:
         return tally
 
     def control(self, instruction: hlo.Instruction, computation: hlo.Computation) -> Tally | None:
-        """The cost of a loop (its body x the trip count, or x the trips its scope names where that is data),
-        conditional (its costliest branch that is not a fallback) or call; None for other instructions."""
+        """The cost of a loop (its body x the trip count), conditional (its costliest branch that is not a
+        fallback) or call; None for other instructions."""
         op = instruction.opcode
         if op == "while":
             trips = self.trip_count(instruction, computation)
-            shaped = LOOP_TRIPS.findall(instruction.op_name) if trips is None else []
-            tally = Tally(unknown_loops=int(trips is None and not shaped), shaped_loops=len(shaped[-1:]))
-            tally.add(self.computation(instruction.called("body")[0]), int(shaped[-1]) if shaped else trips or 1)
+            tally = Tally(unknown_loops=int(trips is None))
+            tally.add(self.computation(instruction.called("body")[0]), trips or 1)
             return tally
         if op == "conditional":
             branches = instruction.called("branch_computations") or (
@@ -371,10 +367,6 @@ def format_estimate(estimate: SpeedEstimate, target: str) -> str:
         f"; {tally.unknown_loops} loops whose trip count is decided at run time, counted once (the blockwise "
         "kernel's block loops: its attention is not all counted)"
     ) * bool(tally.unknown_loops)
-    unknown += (
-        f"; {tally.shaped_loops} loops over key blocks whose bounds are data costed at the blocks their shapes give "
-        "(rows of one document)"
-    ) * bool(tally.shaped_loops)
     rates = (
         f"{target} rates, parallel/targets.py"
         if estimate.platform == "gpu"
