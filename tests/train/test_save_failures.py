@@ -80,14 +80,17 @@ def test_a_checkpoint_directory_without_room_for_one_checkpoint_is_refused(tmp_p
 
 def test_an_interrupted_saves_partial_checkpoint_counts_as_free_room(tmp_path, monkeypatch):
     """A save cut short by a full disk leaves its partial checkpoint, which orbax removes (now or soon): the next
-    run's room check counts its bytes as free, not against the run."""
+    run's room check counts its bytes as free, not against the run. The disk's free bytes are 1000 and, once orbax
+    has removed it (its clean-up may run while the test does), the partial checkpoint's too."""
+    partial = tmp_path / "4.orbax-checkpoint-tmp-1764000000"
+    shard = partial / "model" / "shard"
     monkeypatch.setattr(
-        "train.checkpoints.checkpoint.shutil.disk_usage", lambda _: shutil._ntuple_diskusage(1, 1, 1000)
+        "train.checkpoints.checkpoint.shutil.disk_usage",
+        lambda _: shutil._ntuple_diskusage(1, 1, 1000 + 3200 * (not shard.exists())),
     )
     checkpoints = Checkpointer(tmp_path, keep=1)
-    partial = tmp_path / "4.orbax-checkpoint-tmp-1764000000"
-    (partial / "model").mkdir(parents=True)
-    (partial / "model" / "shard").write_bytes(b"x" * 3200)
+    shard.parent.mkdir(parents=True)
+    shard.write_bytes(b"x" * 3200)
     checkpoints.check_room((nnx.State({"w": nnx.Param(jnp.zeros(1000))}), nnx.State({})))  # 4000 <= 1000 + 3200
     # orbax may have removed it by now
     with pytest.raises(CheckpointError, match=r"one checkpoint needs about 7.81 KiB but .* has (1000 B|4.1. KiB) free"):
