@@ -126,7 +126,7 @@ def grouped_matmul(settings, platform: str, capability: str | None = None) -> st
         choice in GROUPED_MATMUL_SETTINGS,
         f"parallel.grouped_matmul={choice!r} is not allowed; choose one of {', '.join(GROUPED_MATMUL_SETTINGS)}",
     )
-    hopper = platform == "gpu" and capability is not None and float(capability) >= 9.0
+    hopper = kernels.hopper(platform, capability)
     if choice == "auto":
         return "tokamax" if hopper and tokamax_installed() else "xla"
     if choice == "tokamax":
