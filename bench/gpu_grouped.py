@@ -18,7 +18,7 @@ from bench.gpu_cases import Rows
 from bench.gpu_parts import _relative_error
 from bench.timing import best_time
 from layers.moe import expert_swiglu
-from parallel import grouped
+from parallel import tokamax_calls
 from parallel.parallelism import Parallelism, use_parallelism
 
 BUFFERS = {"capacity 1.25": 1.25, "dropless": 16}  # receive buffer rows / the rows a balanced load fills
@@ -44,7 +44,7 @@ def grouped_bakeoff(rows: Rows, args, ceiling: float | None) -> None:
         x = rows_x[:buffer]
         where = dict(buffer=buffer_name, rows=buffer, filled=filled)
         for candidate in CANDIDATES:
-            if candidate == "tokamax" and (args.rehearse or not grouped.tokamax_installed()):
+            if candidate == "tokamax" and (args.rehearse or not tokamax_calls.installed()):
                 rows.add(**where, candidate=candidate, note="not available: a GPU and the tokamax extra")
                 continue
             if rows.done(**where, candidate=candidate):

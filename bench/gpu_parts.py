@@ -41,8 +41,14 @@ ATTENTION_HEADS = {
 }
 # jax-cudnn: jax.nn.dot_product_attention's cuDNN; pallas runs Mosaic GPU's kernels on Hopper where they serve the
 # call (parallel/kernels/mosaic.py), pallas-triton the Triton kernels there too
-CANDIDATES = ("cudnn", "jax-cudnn", "flash3", "pallas", "pallas-triton")
-GPU_ONLY = ("cudnn", "jax-cudnn", "flash3", "pallas-triton")  # pallas-triton is pallas off Hopper (and interpreted)
+CANDIDATES = ("cudnn", "jax-cudnn", "flash3", "tokamax", "pallas", "pallas-triton")
+GPU_ONLY = (
+    "cudnn",
+    "jax-cudnn",
+    "flash3",
+    "tokamax",
+    "pallas-triton",
+)  # pallas-triton is pallas off Hopper (and interpreted)
 PACKED = ("cudnn", "flash3")  # kernels on packed rows: the calls they cannot serve run their general kernel, Pallas
 ERRORS = ("out", "lse", "dq", "dk", "dv")
 

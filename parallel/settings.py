@@ -13,9 +13,9 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from parallel import kernels
+from parallel import kernels, tokamax_calls
 from parallel.experts import DISPATCHES
-from parallel.grouped import GROUPED_MATMULS, TOKAMAX_INSTALL, tokamax_installed
+from parallel.grouped import GROUPED_MATMULS
 from parallel.mesh import MeshError
 from parallel.parallelism import Parallelism
 from parallel.reorder import to_balanced
@@ -128,10 +128,10 @@ def grouped_matmul(settings, platform: str, capability: str | None = None) -> st
     )
     hopper = kernels.hopper(platform, capability)
     if choice == "auto":
-        return "tokamax" if hopper and tokamax_installed() else "xla"
+        return "tokamax" if hopper and tokamax_calls.installed() else "xla"
     if choice == "tokamax":
         _require(hopper, f"parallel.grouped_matmul=tokamax runs on Hopper or newer GPUs, not on {platform}; use auto")
-        _require(tokamax_installed(), f"parallel.grouped_matmul=tokamax needs tokamax: {TOKAMAX_INSTALL}")
+        _require(tokamax_calls.installed(), f"parallel.grouped_matmul=tokamax needs tokamax: {tokamax_calls.INSTALL}")
     return choice
 
 

@@ -1,12 +1,14 @@
 """One attention kernel interface for every strategy: `attention` (differentiable in q, k, v and lse) and, through
-`select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and
-lse). Every kernel takes q, k, v, each side's `Tokens` (segment ids and global indices) and the call's `Options`
-(parallel/kernels/arguments.py). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py, Triton, and on
-Hopper Mosaic GPU's, mosaic.py; interpret mode runs them on CPU), cuDNN flash attention and FlashAttention-3 on packed
-rows (parallel/kernels/cudnn.py, flash3.py and what they share, packed.py; GPU, Hopper, FlashAttention-3 an optional
-extra; Pallas for the calls they cannot serve), JAX's Pallas TPU splash attention (parallel/kernels/splash.py; the
-blockwise kernel for the calls it cannot serve), and the blockwise kernel (parallel/kernels/blockwise.py), the CPU
-kernel and the reference. `auto` picks by the devices a step compiles for (see select)."""
+`select`, the step-level `forward` / `backward` a ring step calls (whose backward takes the final, merged out and lse).
+Every kernel takes q, k, v, each side's `Tokens` (segment ids and global indices) and the call's `Options`
+(parallel/kernels/arguments.py). Behind it: Pallas kernels for GPU (parallel/kernels/pallas.py, Triton, and on Hopper
+Mosaic GPU's, mosaic.py; interpret mode runs them on CPU), cuDNN flash attention and FlashAttention-3 on packed rows
+(parallel/kernels/cudnn.py, flash3.py and what they share, packed.py; GPU, Hopper, FlashAttention-3 an optional extra;
+Pallas for the calls they cannot serve), tokamax's Hopper flash attention over ranges of keys
+(parallel/kernels/tokamax_attention.py, an optional extra; Pallas for the calls it cannot serve), JAX's Pallas TPU
+splash attention (parallel/kernels/splash.py; the blockwise kernel for the calls it cannot serve), and the blockwise
+kernel (parallel/kernels/blockwise.py), the CPU kernel and the reference. `auto` picks by the devices a step compiles
+for (see select)."""
 
 from __future__ import annotations
 
@@ -21,15 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from parallel.kernels import blockwise, cudnn, flash3, packed, pallas, saved, splash, visible
+from parallel.kernels import blockwise, cudnn, flash3, packed, pallas, saved, splash, tokamax_attention, visible
 from parallel.kernels import sinks as attention_sinks
 from parallel.kernels.arguments import Options, Tokens
 
-KERNELS = ("auto", "pallas", "blockwise", "cudnn", "flash3", "splash")
+KERNELS = ("auto", "pallas", "blockwise", "cudnn", "flash3", "tokamax", "splash")
 PACKED = ("cudnn", "flash3")  # kernels on packed rows: documents as runs in original order (parallel/kernels/packed.py)
+# kernels that serve keys in increasing global order (the packed ones, and tokamax's ranges of keys), the rest by Pallas
+ORDERED = (*PACKED, "tokamax")
 FIXED_MASKS = ("splash",)  # masks fixed at trace time: keys' indices static (parallel/kernels/splash.py)
 # the fused kernel a run tries next when one disagrees with the blockwise kernel on its devices (first contact)
-NEXT_FUSED = {"flash3": "cudnn", "cudnn": "pallas"}
+NEXT_FUSED = {"flash3": "cudnn", "tokamax": "cudnn", "cudnn": "pallas"}
 log = logging.getLogger(__name__)
 
 
@@ -51,11 +55,11 @@ def select(
     kernel: str = "auto", *, interpret: bool = False, backend: str | None = None, capability: str | None = None
 ) -> Kernel:
     """The kernel named `kernel` for devices of platform `backend` (default: JAX's) and CUDA compute `capability`
-    ("9.0"; default: the first GPU's, see hopper). auto = on GPU cuDNN from Hopper (9.0) on, else
-    Pallas; splash on TPU; blockwise elsewhere. cudnn and flash3 (Hopper alone, with its wheel installed) run
-    `general_kernel`'s kernel for the calls they cannot serve (packed.Unservable): Pallas on GPU; splash the blockwise
-    kernel. `interpret=True` runs the Pallas kernels in interpret mode (any backend). Raises ValueError naming the
-    kernel when it is unknown or cannot run on the backend."""
+    ("9.0"; default: the first GPU's, see hopper). auto = on GPU cuDNN from Hopper (9.0) on, else Pallas; splash on TPU;
+    blockwise elsewhere. cudnn, flash3 (Hopper alone, with its wheel installed) and tokamax (Hopper and newer,
+    installed) run `general_kernel`'s kernel for the calls they cannot serve (packed.Unservable): Pallas on GPU; splash
+    the blockwise kernel. `interpret=True` runs the Pallas kernels in interpret mode (any backend). Raises ValueError
+    naming the kernel when it is unknown or cannot run on the backend."""
     backend = backend or jax.default_backend()
     if kernel not in KERNELS:
         raise ValueError(f"attention kernel {kernel!r} is unknown; choose one of {', '.join(KERNELS)}")
@@ -92,6 +96,16 @@ def select(
         if problem := flash3.missing():
             raise ValueError(problem)
         return _packed("flash3", flash3, backend, capability, interpret)
+    if kernel == "tokamax":
+        if not hopper(backend, capability):
+            where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
+            raise ValueError(
+                f"attention kernel 'tokamax' runs on GPUs of compute capability 9.0 (Hopper) or newer (Mosaic GPU), "
+                f"not {where}; choose {'cudnn, pallas, ' if backend == 'gpu' else ''}blockwise or auto"
+            )
+        if problem := tokamax_attention.missing():
+            raise ValueError(problem)
+        return _packed("tokamax", tokamax_attention, backend, capability, interpret)
     if backend != "gpu" and not interpret:
         raise ValueError(
             f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "
@@ -107,7 +121,7 @@ def select(
 
 
 def _packed(name: str, module, backend: str, capability: str | None, interpret: bool) -> Kernel:
-    """The packed kernel `name` (its module's forward / backward), with the general kernel for the calls it cannot
+    """The kernel `name` of ORDERED (its module's forward / backward), with the general kernel for the calls it cannot
     serve."""
     general = select(general_kernel(name, backend), interpret=interpret, backend=backend, capability=capability)
     forward = functools.partial(module.forward, general=visible.fallback(general.forward))
@@ -125,9 +139,9 @@ BLOCKWISE = _named("blockwise", blockwise.forward, blockwise.backward, takes_del
 
 def general_kernel(kernel: str, backend: str | None = None) -> str:
     """The kernel that runs the calls `kernel` cannot serve on devices of platform `backend` (None: JAX's default):
-    for cudnn and flash3 Pallas on GPU (blockwise elsewhere, where only tests run them, on stand-ins); every other
-    kernel serves every call itself."""
-    if kernel not in PACKED:
+    for cudnn, flash3 and tokamax Pallas on GPU (blockwise elsewhere, where only tests run them, on stand-ins); every
+    other kernel serves every call itself."""
+    if kernel not in ORDERED:
         return kernel
     return "pallas" if (backend or jax.default_backend()) == "gpu" else "blockwise"
 

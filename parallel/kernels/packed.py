@@ -55,7 +55,7 @@ def call_kind(q_index, kv_index, causal: bool):
     each document is one run of the row (what packed metadata describes). A static DIAGONAL still needs the same
     segment ids on both sides at run time (see _switch)."""
     q, kv = known_at_trace_time(q_index), known_at_trace_time(kv_index)
-    if any(side is not None and not _increasing(side) for side in (q, kv)):
+    if any(side is not None and not increasing(side) for side in (q, kv)):
         raise Unservable(
             "attention kernels on packed rows (cudnn, flash3) need query and key tokens in increasing global order "
             "(each document one run of the row); these global indices are not"
@@ -82,7 +82,7 @@ def known_at_trace_time(index):
         return None
 
 
-def _increasing(index) -> bool:
+def increasing(index) -> bool:
     """[t] indices (numpy or traced) -> (traced) bool: strictly increasing."""
     return jnp.all(jnp.diff(index) > 0) if isinstance(index, jax.Array) else bool(np.all(np.diff(index) > 0))
 
@@ -91,11 +91,11 @@ def runtime_kind(q: Tokens, kv: Tokens, causal: bool = True):
     """Traced call_kind of two sides' tokens (traced [t] indices, [batch, t] ids) -> int32 DIAGONAL, ALL_VISIBLE or
     GENERAL."""
     (q_seg, q_index), (kv_seg, kv_index) = q, kv
-    increasing = _increasing(q_index) & _increasing(kv_index)
-    all_visible = increasing & ((jnp.max(kv_index) <= jnp.min(q_index)) | (not causal))
+    ordered = increasing(q_index) & increasing(kv_index)
+    all_visible = ordered & ((jnp.max(kv_index) <= jnp.min(q_index)) | (not causal))
     if q_index.shape != kv_index.shape or q_seg.shape != kv_seg.shape or not causal:
         return jnp.where(all_visible, ALL_VISIBLE, GENERAL)
-    diagonal = increasing & jnp.all(q_index == kv_index) & jnp.all(q_seg == kv_seg)
+    diagonal = ordered & jnp.all(q_index == kv_index) & jnp.all(q_seg == kv_seg)
     return jnp.where(diagonal, DIAGONAL, jnp.where(all_visible, ALL_VISIBLE, GENERAL))
 
 

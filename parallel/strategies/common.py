@@ -91,9 +91,9 @@ def chosen_kernel(parallelism) -> kernels.Kernel:
 
 def wants_original_order(parallelism) -> bool:
     """Whether the parallelism's kernel needs a sequence in original token order: the packed kernels (cuDNN's,
-    FlashAttention-3's) describe each document as one run of increasing indices (parallel/kernels/packed.py); the
-    other kernels take any order."""
-    return chosen_kernel(parallelism).name in kernels.PACKED
+    FlashAttention-3's) describe each document as one run of increasing indices (parallel/kernels/packed.py), and
+    tokamax's each query's keys as one range of them; the other kernels take any order."""
+    return chosen_kernel(parallelism).name in kernels.ORDERED
 
 
 def whole_sequence(q, k, v, seg, *, shards: int, options: Options, parallelism):

@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from layers.moe import expert_swiglu
-from parallel import grouped, targets
+from parallel import grouped, targets, tokamax_calls
 from parallel.parallelism import Parallelism, use_parallelism
 from parallel.targets import H100_RATES
 from train.planning import speed
@@ -23,7 +23,7 @@ from train.planning import speed
 pytestmark = [
     pytest.mark.gpu_compile,
     pytest.mark.skipif(not targets.plugin_installed(), reason=f"needs XLA's GPU compiler: {targets.GPU_INSTALL}"),
-    pytest.mark.skipif(not grouped.tokamax_installed(), reason=f"needs tokamax: {grouped.TOKAMAX_INSTALL}"),
+    pytest.mark.skipif(not tokamax_calls.installed(), reason=f"needs tokamax: {tokamax_calls.INSTALL}"),
 ]
 ROWS, EMBED, MLP, GROUPS, FILLED = 4096, 256, 128, 4, 0.25
 # the backward's 6 grouped matmuls (dx and dw of gate, up and down) and the forward's gate and up (the loss reads

@@ -12,10 +12,12 @@ embedding lookup over fsdp x context was one (parallel/lookup.py).
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
 
+import re
+
 import pytest
 
 from parallel import kernels, targets
-from parallel.kernels import flash3
+from parallel.kernels import flash3, tokamax_attention
 from tests.train.tiny_run import REPO
 from train.config import load_config
 from train.planning.memory import plan_memory
@@ -26,7 +28,7 @@ pytestmark = [
 ]
 
 STRATEGIES = ("none", "all_gather", "ring", "ulysses", "usp")
-KERNELS = ("blockwise", "pallas", "cudnn", "flash3")
+KERNELS = ("blockwise", "pallas", "cudnn", "flash3", "tokamax")
 LLAMA_MESHES = {  # 8 devices each: the sequence, heads and parameters split every way a strategy allows
     "none": dict(fsdp=4, tensor=2),
     "all_gather": dict(fsdp=2, context=2, tensor=2),
@@ -60,16 +62,21 @@ MODELS = {  # config, overrides, mesh per strategy (deepseek: the experts split 
     ),
 }
 EXPERT_MODELS = ("deepseek", "qwen3_5_moe")
-# the custom calls that show a kernel in the compiled program
-# Pallas on an H100: Mosaic GPU's kernels (parallel/kernels/mosaic.py)
-CUSTOM_CALLS = {"cudnn": "__cudnn$fmha", "pallas": 'custom_call_target="mosaic_gpu', "flash3": "dew_flash3_mha_varlen"}
+# the custom calls that show a kernel in the compiled program: Pallas on an H100 is Mosaic GPU's kernels
+# (parallel/kernels/mosaic.py), tokamax's too, each in its kernel's scope (parallel/kernels/visible.py)
+CUSTOM_CALLS = {
+    "cudnn": re.compile(r"__cudnn\$fmha"),
+    "pallas": re.compile(r'custom_call_target="mosaic_gpu.*attention_pallas_visible'),
+    "flash3": re.compile("dew_flash3_mha_varlen"),
+    "tokamax": re.compile(r'custom_call_target="mosaic_gpu.*attention_tokamax_visible'),
+}
 INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
 # The steps every supported JAX compiles, the GPU machines' too (.ci/run): the ring and usp with each kernel (the ring
 # x cuDNN through the plan command in tests/gpu_compile/test_gpu_plan.py), and the latent ring with cuDNN; XLA 0.11.2's
 # GPU compiler once crashed on the ring alone (tests/train/test_shard_map_operands.py)
 EVERY_STACK = {
     *(("llama", "ring", kernel) for kernel in KERNELS if kernel != "cudnn"),
-    *(("llama", "usp", kernel) for kernel in KERNELS),
+    *(("llama", "usp", kernel) for kernel in KERNELS if kernel != "tokamax"),
     ("deepseek", "ring", "cudnn"),
 }
 
@@ -89,9 +96,10 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """Slow (see the docstring) but for EVERY_STACK; FlashAttention-3's cases skip where its wheel is not
+    """Slow (see the docstring) but for EVERY_STACK; FlashAttention-3's and tokamax's cases skip where they are not
     installed."""
-    wheel = pytest.mark.skipif(kernel == "flash3" and bool(flash3.missing()), reason=flash3.missing() or "")
+    missing = {"flash3": flash3.missing(), "tokamax": tokamax_attention.missing()}.get(kernel)
+    wheel = pytest.mark.skipif(bool(missing), reason=missing or "")
     return [wheel] if (model, strategy, kernel) in EVERY_STACK else [pytest.mark.slow, wheel]
 
 
@@ -115,9 +123,10 @@ def test_train_step_compiles_for_h100(model, strategy, kernel, capfd):
     assert plan.expert_dispatch == ("none" if dense else "capacity" if kernel == "blockwise" else "ragged")
     text = plan.compiled.as_text()
     for name, call in CUSTOM_CALLS.items():
-        # a packed kernel serves the diagonal and all-visible calls and compiles Pallas for the rest (a run-time branch)
-        wanted = name == kernel or (kernel in kernels.PACKED and name == "pallas")
-        assert (call in text) == wanted, f"{call} {'missing from' if wanted else 'in'} the {kernel} program"
+        # a packed kernel serves the diagonal and all-visible calls and compiles Pallas for the rest (a run-time
+        # branch), tokamax's for keys out of order (traced indices, ids in a non-causal call)
+        wanted = name == kernel or (kernel in kernels.ORDERED and name == "pallas")
+        assert bool(call.search(text)) == wanted, f"{call} {'missing from' if wanted else 'in'} the {kernel} program"
     assert 0 < plan.total < 2**30
 
 

@@ -138,17 +138,19 @@ def serve_cudnn_with_standin(monkeypatch):
     serve_with_standin(monkeypatch, "cudnn", cudnn, primitives=STANDIN)
 
 
-def serve_with_standin(monkeypatch, name: str, module, **standin):
-    """From here on (in this test), `kernels.select(name)` on any backend gives the packed kernel of `module` (cudnn,
-    flash3) with the stand-in `standin` keywords, and the blockwise kernel behind it returns NaN: an attention run is
-    finite only if the kernel served every call (static calls it cannot serve raise packed.Unservable)."""
+def serve_with_standin(monkeypatch, name: str, module, max_segments: int | None = 16, **standin):
+    """From here on (in this test), `kernels.select(name)` on any backend gives the kernel of `module` (cudnn, flash3,
+    tokamax_attention) with the stand-in `standin` keywords (and `max_segments`, a test row's documents, where not
+    None), and the blockwise kernel behind it returns NaN: an attention run is finite only if the kernel served every
+    call (static calls it cannot serve raise packed.Unservable)."""
     select = kernels.select
+    segments = {} if max_segments is None else dict(max_segments=max_segments)
 
     def standin_select(kernel="auto", *, interpret=False, backend=None, capability=None):
         if kernel != name:
             return select(kernel, interpret=interpret, backend=backend, capability=capability)
         forward, backward = (
-            functools.partial(f, **standin, max_segments=16, general=_poisoned(fallback))  # a test row's documents
+            functools.partial(f, **standin, **segments, general=_poisoned(fallback))
             for f, fallback in ((module.forward, blockwise.forward), (module.backward, blockwise.backward))
         )
         return kernels.Kernel(name, forward, backward)

@@ -1,7 +1,7 @@
-"""On a GPU only (skipped elsewhere): the real cuDNN, FlashAttention-3 and Pallas (Triton) kernels equal the blockwise
-kernel on the same bfloat16 inputs, in out, lse, dq, dk and dv through a loss with a nonzero lse cotangent, for every
-kind of call the strategies make: the causal diagonal and a non-causal call, on packed and unpacked rows; keys that
-all precede the queries (a ring step), also all in other documents (every packed slot empty); two whole dual_chunk
+"""On a GPU only (skipped elsewhere): the real cuDNN, FlashAttention-3, tokamax and Pallas (Triton) kernels equal the
+blockwise kernel on the same bfloat16 inputs, in out, lse, dq, dk and dv through a loss with a nonzero lse cotangent,
+for every kind of call the strategies make: the causal diagonal and a non-causal call, on packed and unpacked rows; keys
+that all precede the queries (a ring step), also all in other documents (every packed slot empty); two whole dual_chunk
 pieces off the diagonal ("halves": the ring calls each half all-visible, the packed kernels send the whole to their
 general kernel, Pallas); striped global indices (the packed kernels: their general kernel, Pallas). MHA, GQA and MLA
 head dims; indices static and traced. And tokamax's grouped matmul for the experts equals `ragged_dot`.
@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import grouped, kernels
-from parallel.kernels import Options, Tokens, flash3
+from parallel import grouped, kernels, tokamax_calls
+from parallel.kernels import Options, Tokens, flash3, tokamax_attention
 from parallel.parallelism import Parallelism, use_parallelism
 from parallel.reorder import layout_index
 from tests.parallel.attention_reference import packed_segments, relative_error
@@ -78,7 +78,7 @@ def outputs_and_grads(kernel: str, q, k, v, q_seg, kv_seg, q_index, kv_index, ca
     return out, lse, *(g.astype(jnp.float32) for g in grads)
 
 
-@pytest.mark.parametrize("kernel", ["cudnn", "flash3", "pallas"])
+@pytest.mark.parametrize("kernel", ["cudnn", "flash3", "tokamax", "pallas"])
 @pytest.mark.parametrize("heads", list(HEADS))
 @pytest.mark.parametrize("kind", ["diagonal", "full", "preceding", "foreign", "halves", "striped"])
 def test_kernel_equals_blockwise_on_gpu(kernel, heads, kind):
@@ -87,6 +87,10 @@ def test_kernel_equals_blockwise_on_gpu(kernel, heads, kind):
         pytest.skip(f"cuDNN's packed rows need compute capability 9.0, not {GPU.compute_capability}")
     if kernel == "flash3" and (kernels.compute_capability("gpu", None)[0] != 9 or flash3.missing()):
         pytest.skip(flash3.missing() or f"FlashAttention-3 runs on Hopper (9.0), not {GPU.compute_capability}")
+    if kernel == "tokamax" and (not kernels.hopper("gpu", None) or tokamax_attention.missing()):
+        pytest.skip(
+            tokamax_attention.missing() or f"tokamax's kernel needs Hopper (9.0+), not {GPU.compute_capability}"
+        )
     h, hkv, dqk, dv = HEADS[heads]
     rng = np.random.default_rng(0)
     shapes = [(2, PIECE, h, dqk), (2, PIECE, hkv, dqk), (2, PIECE, hkv, dv)]
@@ -110,7 +114,7 @@ def compare_on_gpu(kernel, heads, kind, q, k, v):
             assert relative_error(a, b) < 3e-2, f"{label}: {name}"
 
 
-@pytest.mark.skipif(not grouped.tokamax_installed(), reason=f"needs tokamax: {grouped.TOKAMAX_INSTALL}")
+@pytest.mark.skipif(not tokamax_calls.installed(), reason=f"needs tokamax: {tokamax_calls.INSTALL}")
 def test_tokamax_grouped_matmul_equals_ragged_dot_on_gpu():
     """The experts' grouped matmul (parallel/grouped.py) by tokamax's kernels equals `ragged_dot` in its output and
     both gradients, on groups of uneven sizes (one empty) that leave padding rows past them."""

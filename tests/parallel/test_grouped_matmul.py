@@ -26,7 +26,7 @@ HOPPER, AMPERE = (types.SimpleNamespace(platform="gpu", compute_capability=c) fo
 
 @pytest.mark.parametrize("installed", [True, False])
 def test_grouped_matmul_by_device(installed, monkeypatch):
-    monkeypatch.setattr(settings, "tokamax_installed", lambda: installed)
+    monkeypatch.setattr(settings.tokamax_calls, "installed", lambda: installed)
     assert make_parallelism(ParallelConfig(), {}, HOPPER).grouped_matmul == ("tokamax" if installed else "xla")
     assert make_parallelism(ParallelConfig(), {}, AMPERE).grouped_matmul == "xla"
     assert make_parallelism(ParallelConfig(), {}).grouped_matmul == "xla"

@@ -155,7 +155,7 @@ class ParallelConfig:
     block_kv: int = 256  # key / value tokens per attention kernel block
     ring_grad_dtype: str = "float32"  # float32 | compute: dK/dV summed and sent around the ring in the compute dtype
     attention_kernel: str = (
-        "auto"  # auto (GPU: cudnn on Hopper+, else pallas; elsewhere blockwise) | pallas | cudnn | blockwise | flash3
+        "auto"  # auto (GPU: cudnn on Hopper+, else pallas) | pallas | cudnn | blockwise | flash3 | tokamax
     )
     scatter_residual: bool = True  # mesh.tensor > 1: residual stream sharded on length over tensor (reduce-scatter)
     expert_dispatch: str = "auto"  # capacity | ragged (GPU/TPU) | auto: how MoE tokens travel to expert devices

@@ -129,7 +129,7 @@ def plan_memory(config: Config, devices=None) -> MemoryPlan:
     # auto: ragged on the GPUs a plan is for
     if platform == "cpu" and parallel_config.expert_dispatch in ("ragged", "auto") and config.model.num_experts:
         parallel_config = as_capacity(parallel_config, config.model, mesh)
-    if platform == "cpu" and parallel_config.attention_kernel in ("pallas", "cudnn", "flash3"):
+    if platform == "cpu" and parallel_config.attention_kernel in ("pallas", "cudnn", "flash3", "tokamax"):
         parallel_config = dataclasses.replace(parallel_config, attention_kernel="blockwise")
     tx = make_optimizer(config.optimizer, config.train.steps)
     graphdef, state, shardings = abstract_state(config.model, tx, mesh, compute=config.compute)
