@@ -18,8 +18,10 @@ The buffers are sized by factor = parallelism.expert_capacity (1 = exactly the b
   (token, k) order, are dropped (weight zero) and counted.
 - `ragged` (GPU/TPU): the routed rows themselves, one slice per expert, by `ragged_all_to_all` into a receive
   buffer of ceil(factor x tokens x k) rows grouped by expert, and the grouped matmul (parallel/grouped.py) over the
-  local experts. Rows that do not fit, last experts' last sources first, are dropped and counted. XLA:CPU cannot
-  compile it.
+  local experts. Rows that do not fit, last experts' last sources first, are dropped and counted. Dropless (factor
+  inf), the buffer holds COMMON_LOAD x the balanced load, and only a step in which some device would receive more
+  runs the worst-case buffer (every source's tokens), a run-time branch: the element-wise work around the grouped
+  matmul then costs the usual load, not the worst case. XLA:CPU cannot compile it.
 Without expert-parallel axes (one device, or none divides the experts), every device runs all experts on its own
 tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens
 pass through in chunks of at most parallelism.expert_chunk tokens (a scan with remat), so the dispatch scratch does not
@@ -32,6 +34,7 @@ per-sequence loss sees whole rows under context parallelism.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -41,12 +44,14 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from parallel.grouped import filled
+from parallel.kernels.visible import FALLBACK
 from parallel.mesh import logical_spec, spec_axes
 from parallel.parallelism import current_parallelism
 from parallel.rounding import ceil_div
 from parallel.tensor import token_layout
 
 DISPATCHES = ("capacity", "ragged")
+COMMON_LOAD = 2.0  # dropless ragged dispatch: the usual receive buffer, x the balanced load (see _ragged)
 # (tokens [n, embed], *params) -> (weights [n, k], experts [n, k], router probabilities [n, experts])
 Route = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 Ffn = Callable[..., jax.Array]  # (rows, *matrices, group_sizes=None) -> rows, see `routed_experts`
@@ -263,16 +268,42 @@ def ragged_layout(table: jax.Array, me, rows: int) -> RaggedLayout:
 
 
 def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
-    """Ragged dispatch of the local tokens [n, embed] to the experts over mesh `axes` (see the module doc)."""
+    """Ragged dispatch of the local tokens [n, embed] to the experts over mesh `axes` (see the module doc).
+    Dropless, the receive buffer holds COMMON_LOAD x the balanced load, and a step in which some device would
+    receive more runs the worst-case buffer instead: a run-time branch that every device takes alike (all know the
+    table), in the `fallback` scope the speed estimate leaves out."""
     weights, experts = assignment
     n, k = experts.shape
-    d = tokens.shape[-1]
     order, position, counts = _sort_by_expert(experts, num_experts)
     table = jax.lax.all_gather(counts, axes)  # [devices, experts]
     sources = jax.lax.axis_size(axes)
-    rows = receive_rows(n, k, factor, sources, num_experts // sources)
-    layout = ragged_layout(table, jax.lax.axis_index(axes), rows)
+    local = num_experts // sources
+    rows = receive_rows(n, k, factor, sources, local)
     sent = jnp.take(tokens, order // k, axis=0)  # [n * k, embed] sorted by expert, so by device
+    operands = (sent, position, weights, counts, table, ffn, matrices, axes)
+    common = receive_rows(n, k, COMMON_LOAD, sources, local)
+    if not math.isinf(factor) or common >= rows:
+        return _exchange(*operands, rows)
+    fullest = jnp.max(table.sum(0).reshape(sources, local).sum(1))  # rows the fullest device receives
+
+    # Each branch rematerialized: differentiated, a branch keeps for the backward what either branch needs, the usual
+    # one writing zeros for the worst case's buffers; a rematerialized branch keeps only its operands, shared by both.
+    def buffered(size: int):
+        return jax.checkpoint(functools.partial(_exchange, rows=size), static_argnums=(5, 7))(*operands)
+
+    def worst_case():
+        with jax.named_scope(FALLBACK):
+            return buffered(rows)
+
+    return jax.lax.cond(fullest > common, worst_case, lambda: buffered(common))
+
+
+def _exchange(sent, position, weights, counts, table, ffn, matrices, axes, rows: int):
+    """The ragged dispatch of the rows `sent` [n * k, embed] (sorted by expert) through a receive buffer of `rows`
+    rows: (outputs [n, embed], assignments dropped [])."""
+    n, k = weights.shape
+    d = sent.shape[-1]
+    layout = ragged_layout(table, jax.lax.axis_index(axes), rows)
     # The receive buffers vary over the devices as the rows do (zeros_like keeps `sent`'s varying axes):
     # ragged_all_to_all types its result by its output buffer, and from an invariant one JAX would sum the
     # received rows' gradient over every device before sending it home.
@@ -297,5 +328,5 @@ def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
         layout.send_sizes,
         axis_name=axes,
     )
-    y = _combine(back, position.reshape(n, k), weights, tokens.dtype)  # dropped rows came back as zeros
+    y = _combine(back, position.reshape(n, k), weights, sent.dtype)  # dropped rows came back as zeros
     return y, jnp.sum(counts - layout.send_sizes)

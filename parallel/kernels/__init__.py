@@ -32,6 +32,26 @@ PACKED = ("cudnn", "flash3")  # kernels on packed rows: documents as runs in ori
 # kernels that serve keys in increasing global order (the packed ones, and tokamax's ranges of keys), the rest by Pallas
 ORDERED = (*PACKED, "tokamax")
 FIXED_MASKS = ("splash",)  # masks fixed at trace time: keys' indices static (parallel/kernels/splash.py)
+
+
+class FusedGpu(NamedTuple):
+    """A fused GPU kernel: its module (forward / backward, and `missing()` where an extra brings it), the devices it
+    runs on in words, and as a test of (major, minor) compute capability."""
+
+    module: object
+    devices: str
+    runs_on: Callable
+
+
+FUSED_GPU = {
+    "cudnn": FusedGpu(cudnn, "GPUs of compute capability 9.0 (Hopper) or newer", lambda version: version >= (9, 0)),
+    "flash3": FusedGpu(
+        flash3, "Hopper GPUs (compute capability 9.0, FlashAttention-3's sm90a code)", lambda version: version[0] == 9
+    ),
+    "tokamax": FusedGpu(
+        tokamax_attention, "GPUs of compute capability 9.0 (Hopper) or newer (Mosaic GPU)", lambda v: v >= (9, 0)
+    ),
+}
 # the fused kernel a run tries next when one disagrees with the blockwise kernel on its devices (first contact)
 NEXT_FUSED = {"flash3": "cudnn", "tokamax": "cudnn", "cudnn": "pallas"}
 log = logging.getLogger(__name__)
@@ -78,34 +98,18 @@ def select(
         forward = functools.partial(splash.forward, interpret=interpret)
         backward = functools.partial(splash.backward, interpret=interpret)
         return _named("splash", _or(forward, BLOCKWISE), _or(backward, BLOCKWISE, "backward"), takes_delta=True)
-    if kernel == "cudnn":
-        if backend != "gpu" or not hopper(backend, capability):
+    if kernel in FUSED_GPU:
+        fused = FUSED_GPU[kernel]
+        if not fused.runs_on(compute_capability(backend, capability)):
             where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
+            others = [name for name in ("cudnn", "pallas") if backend == "gpu" and name != kernel]
             raise ValueError(
-                f"attention kernel 'cudnn' runs on GPUs of compute capability 9.0 (Hopper) or newer, not {where}; "
-                f"choose pallas (GPU), blockwise or auto"
+                f"attention kernel {kernel!r} runs on {fused.devices}, not {where}; choose "
+                f"{', '.join([*others, 'blockwise'])} or auto"
             )
-        return _packed("cudnn", cudnn, backend, capability, interpret)
-    if kernel == "flash3":
-        if compute_capability(backend, capability)[0] != 9:
-            where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
-            raise ValueError(
-                f"attention kernel 'flash3' runs on Hopper GPUs (compute capability 9.0, FlashAttention-3's sm90a "
-                f"code), not {where}; choose {'cudnn, pallas, ' if backend == 'gpu' else ''}blockwise or auto"
-            )
-        if problem := flash3.missing():
+        if problem := getattr(fused.module, "missing", lambda: None)():
             raise ValueError(problem)
-        return _packed("flash3", flash3, backend, capability, interpret)
-    if kernel == "tokamax":
-        if not hopper(backend, capability):
-            where = backend if backend != "gpu" else f"a GPU of compute capability {capability or 'unknown'}"
-            raise ValueError(
-                f"attention kernel 'tokamax' runs on GPUs of compute capability 9.0 (Hopper) or newer (Mosaic GPU), "
-                f"not {where}; choose {'cudnn, pallas, ' if backend == 'gpu' else ''}blockwise or auto"
-            )
-        if problem := tokamax_attention.missing():
-            raise ValueError(problem)
-        return _packed("tokamax", tokamax_attention, backend, capability, interpret)
+        return _packed(kernel, fused.module, backend, capability, interpret)
     if backend != "gpu" and not interpret:
         raise ValueError(
             f"attention kernel 'pallas' compiles for GPU (Triton), not {backend}; choose blockwise or auto there "

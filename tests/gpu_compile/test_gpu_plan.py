@@ -57,9 +57,12 @@ def plan_from_cli(argv, compiles=None):
 @pytest.mark.parametrize(
     "config, overrides",
     [
-        # every stack CI builds compiles both (the GPU machines' JAX once crashed on the ring: test_train_step.py)
+        # every stack CI builds compiles the tiny ring (the GPU machines' JAX once crashed on the ring:
+        # test_train_step.py), the GPU machines' and the newest the recipe
         pytest.param(TINY, OVERRIDES, id="tiny-ring"),
-        pytest.param(REPO / "configs" / "finetune-128k-llama3.1-8b.yaml", [], id="8b-128k-recipe"),
+        pytest.param(
+            REPO / "configs" / "finetune-128k-llama3.1-8b.yaml", [], id="8b-128k-recipe", marks=pytest.mark.newest_stack
+        ),
     ],
 )
 def test_h100_plan_reports_the_gpu_compile_of_the_step(config, overrides, capfd):

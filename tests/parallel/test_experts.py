@@ -15,6 +15,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from layers.moe import MoE
+from parallel import experts
 from parallel.experts import capacity, expert_axes, ragged_as_capacity, ragged_layout, receive_rows
 from parallel.mesh import MeshError, make_mesh, state_shardings
 from parallel.parallelism import Parallelism, use_parallelism
@@ -271,6 +272,31 @@ def test_ragged_dispatch_equals_one_device(monkeypatch, one_device, name, score)
     np.testing.assert_array_equal(counts, ref_counts)
     assert_close(probabilities, ref_probabilities, "router probabilities")
     assert dropped == 0
+    assert_close(grad_x, ref_grad_x, "input gradient")
+    for key, ref in ref_grads.items():
+        assert_close(grads[key], ref, f"gradient of {key}")
+
+
+@pytest.mark.parametrize("common_load", [0.25, experts.COMMON_LOAD])
+def test_dropless_ragged_dispatch_runs_the_worst_case_buffer_only_when_one_overflows(
+    monkeypatch, one_device, common_load
+):
+    """Dropless, the ragged dispatch's usual buffer holds common_load x the balanced load: at 0.25 the fullest device
+    overflows it and the step runs the worst-case buffer, at the default it fits and the step keeps the usual one;
+    both equal one device with nothing dropped (a step left in the overflowed buffer would drop rows)."""
+    monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+    monkeypatch.setattr(experts, "COMMON_LOAD", common_load)
+    mesh_config, parallelism = MESHES["expert2-context4"]  # 8 expert devices, one expert each
+    parallelism = dataclasses.replace(parallelism, expert_dispatch="ragged", expert_capacity=math.inf)
+    y, counts, dropped, grad_x, grads, _ = run(make_moe("sigmoid"), tokens(), mesh_config, parallelism)
+    n = BATCH * LENGTH // 8
+    usual = receive_rows(n, K, common_load, 8, 1)
+    assert usual < receive_rows(n, K, math.inf, 8, 1)  # the run-time branch is there
+    assert (counts.max() > usual) == (common_load < 1)  # which buffer the step ran
+    ref_y, ref_counts, _, ref_grad_x, ref_grads, _ = one_device("sigmoid")
+    assert dropped == 0
+    np.testing.assert_array_equal(counts, ref_counts)
+    assert_close(y, ref_y, "output")
     assert_close(grad_x, ref_grad_x, "input gradient")
     for key, ref in ref_grads.items():
         assert_close(grads[key], ref, f"gradient of {key}")
