@@ -32,9 +32,12 @@ def case_file(rows_file: pathlib.Path) -> pathlib.Path:
 
 
 def running_case(rows_file: pathlib.Path) -> dict | None:
-    """(the case's fields, when it started) of the case a part was running, or None when it was in none."""
-    path = case_file(rows_file)
-    return json.loads(path.read_text()) if path.exists() else None
+    """(the case's fields, when it started) of the case a part was running, or None when it was in none (its
+    interpreter may remove the file at any moment: read once, not after a check)."""
+    try:
+        return json.loads(case_file(rows_file).read_text())
+    except FileNotFoundError:
+        return None
 
 
 class Rows:
@@ -63,7 +66,9 @@ class Rows:
         """Runs the body as the case `fields` (its row's identifying columns): named in the case file while it runs,
         and faulted where a fault is planted in it."""
         path = case_file(self.path)
-        path.write_text(json.dumps({"fields": fields, "started": time.time()}))
+        written = path.with_suffix(".case-new")
+        written.write_text(json.dumps({"fields": fields, "started": time.time()}))
+        written.replace(path)  # whole: the parent reads it while this runs
         self.fault({"part": self.part, **fields})
         yield
         path.unlink()

@@ -7,7 +7,9 @@ the query's index are a prefix of the keys, and those of its document are the ru
 is one run of any increasing order of its tokens), cut at the window's edge. So one call serves the diagonal, a ring
 step's pieces, dual_chunk halves and striped layouts, packed or not, with no per-kind branch. Keys out of order run
 the general kernel (static indices: packed.Unservable; traced ones: a run-time branch), as do inputs that are not
-16-bit. Non-causal calls (a ring step whose keys all precede its queries) see the whole run of the query's document.
+16-bit. A non-causal call (a ring step whose keys all precede its queries, its indices meaning nothing) gives each
+query its document's whole run, found by id where the ids increase along the row (checked at run time: a branch to
+the general kernel).
 
 - forward: tokamax returns out and each row's (max, sum) of exp; lse = max + log(sum), -inf with out 0 where a query
   sees nothing.
@@ -164,7 +166,8 @@ def forward(
 ):  # fmt: skip
     """parallel.kernels.blockwise.forward's arguments and results: (out [b, tq, h, dv] in `out_dtype` (default q's),
     lse [b, tq, h] float32). Raises Unservable for calls it cannot serve statically (see _check); keys whose traced
-    indices do not increase run `general` (a forward of the same signature)."""
+    indices do not increase, or whose ids do not in a non-causal call, run `general` (a forward of the same
+    signature)."""
     served = _check(q, q_tokens, kv_tokens, options, library)
 
     def call():
