@@ -20,8 +20,10 @@ The buffers are sized by factor = parallelism.expert_capacity (1 = exactly the b
   buffer of ceil(factor x tokens x k) rows grouped by expert, and the grouped matmul (parallel/grouped.py) over the
   local experts. Rows that do not fit, last experts' last sources first, are dropped and counted. Dropless (factor
   inf), the buffer holds COMMON_LOAD x the balanced load, and only a step in which some device would receive more
-  runs the worst-case buffer (every source's tokens), a run-time branch: the element-wise work around the grouped
-  matmul then costs the usual load, not the worst case. XLA:CPU cannot compile it.
+  runs a run-time branch that sends the tokens in passes over pieces of them, each piece's worst case (every
+  source's piece to one device) within a buffer of that size: the element-wise work around the grouped matmul costs
+  the usual load, and no buffer is sized by the worst case of all tokens (16 x the usual one over DeepSeek-V3's 128
+  expert devices). XLA:CPU cannot compile it.
 Without expert-parallel axes (one device, or none divides the experts), every device runs all experts on its own
 tokens, dropless; so do all tokens when their shape does not split over the mesh (a sampled prompt). Local tokens
 pass through in chunks of at most parallelism.expert_chunk tokens (a scan with remat), so the dispatch scratch does not
@@ -78,10 +80,9 @@ def receive_rows(tokens: int, k: int, factor: float, sources: int, local_experts
 
 def ragged_as_capacity(factor: float, k: int, num_experts: int, sources: int) -> float:
     """The capacity factor whose capacity dispatch holds as many rows per device as the ragged dispatch's receive
-    buffer at `factor` over `sources` expert-parallel devices (a CPU memory plan of a ragged run). They agree for a
-    finite factor; dropless, the capacity buffers' worst case (every token to one expert) is larger than the ragged
-    one's."""
-    return sources * min(k, num_experts // sources) / k if math.isinf(factor) else factor
+    buffer at `factor` over `sources` expert-parallel devices (a CPU memory plan of a ragged run): dropless, its usual
+    buffer (COMMON_LOAD, or the worst case where that is smaller), which its passes do not exceed."""
+    return min(COMMON_LOAD, sources * min(k, num_experts // sources) / k) if math.isinf(factor) else factor
 
 
 class Routed(NamedTuple):
@@ -270,16 +271,14 @@ def ragged_layout(table: jax.Array, me, rows: int) -> RaggedLayout:
 def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
     """Ragged dispatch of the local tokens [n, embed] to the experts over mesh `axes` (see the module doc).
     Dropless, the receive buffer holds COMMON_LOAD x the balanced load, and a step in which some device would
-    receive more runs the worst-case buffer instead: a run-time branch that every device takes alike (all know the
-    table), in the `fallback` scope the speed estimate leaves out."""
+    receive more runs `_in_passes` instead: a run-time branch that every device takes alike (all know the table), in
+    the `fallback` scope the speed estimate leaves out."""
     weights, experts = assignment
     n, k = experts.shape
-    order, position, counts = _sort_by_expert(experts, num_experts)
-    table = jax.lax.all_gather(counts, axes)  # [devices, experts]
+    sent, position, counts, table = _routed_rows(tokens, experts, num_experts, axes)
     sources = jax.lax.axis_size(axes)
     local = num_experts // sources
     rows = receive_rows(n, k, factor, sources, local)
-    sent = jnp.take(tokens, order // k, axis=0)  # [n * k, embed] sorted by expert, so by device
     operands = (sent, position, weights, counts, table, ffn, matrices, axes)
     common = receive_rows(n, k, COMMON_LOAD, sources, local)
     if not math.isinf(factor) or common >= rows:
@@ -287,15 +286,49 @@ def _ragged(tokens, assignment, ffn, matrices, num_experts, factor, axes):
     fullest = jnp.max(table.sum(0).reshape(sources, local).sum(1))  # rows the fullest device receives
 
     # Each branch rematerialized: differentiated, a branch keeps for the backward what either branch needs, the usual
-    # one writing zeros for the worst case's buffers; a rematerialized branch keeps only its operands, shared by both.
-    def buffered(size: int):
-        return jax.checkpoint(functools.partial(_exchange, rows=size), static_argnums=(5, 7))(*operands)
+    # one writing zeros for the other's buffers; a rematerialized branch keeps only its operands.
+    def usual():
+        return jax.checkpoint(functools.partial(_exchange, rows=common), static_argnums=(5, 7))(*operands)
 
-    def worst_case():
+    @jax.checkpoint
+    def worst_case(tokens, weights, experts, matrices):
         with jax.named_scope(FALLBACK):
-            return buffered(rows)
+            return _in_passes(tokens, (weights, experts), ffn, matrices, num_experts, axes, common)
 
-    return jax.lax.cond(fullest > common, worst_case, lambda: buffered(common))
+    return jax.lax.cond(fullest > common, lambda: worst_case(tokens, weights, experts, matrices), usual)
+
+
+def _in_passes(tokens, assignment, ffn, matrices, num_experts, axes, common: int):
+    """The dropless ragged dispatch of the local tokens [n, embed] in passes over equal pieces of them, as few as
+    let a receive buffer of at most `common` rows hold a piece's worst case (every source's piece to one device's
+    experts); one piece of each token if none does. A scan of known length: (outputs [n, embed], 0 dropped)."""
+    weights, experts = assignment
+    (n, k), d = experts.shape, tokens.shape[-1]
+    sources = jax.lax.axis_size(axes)
+    local = num_experts // sources
+
+    def worst(piece: int) -> int:
+        return receive_rows(piece, k, math.inf, sources, local)
+
+    passes = next((p for p in range(1, n + 1) if n % p == 0 and worst(n // p) <= common), n)
+
+    def one(piece):
+        tokens, weights, experts = piece
+        sent, position, counts, table = _routed_rows(tokens, experts, num_experts, axes)
+        return _exchange(sent, position, weights, counts, table, ffn, matrices, axes, worst(n // passes))
+
+    pieces = (tokens.reshape(passes, -1, d), weights.reshape(passes, -1, k), experts.reshape(passes, -1, k))
+    y, dropped = jax.lax.map(jax.checkpoint(one), pieces)  # each pass's buffers recomputed in the backward
+    return y.reshape(n, d), dropped.sum()
+
+
+def _routed_rows(tokens, experts, num_experts: int, axes):
+    """The local tokens [n, embed] as the rows their assignments experts [n, k] send: (rows [n * k, embed] sorted by
+    expert, so by device; each assignment's place among them [n * k]; assignments per expert [experts]; that count
+    of every device [devices, experts])."""
+    order, position, counts = _sort_by_expert(experts, num_experts)
+    sent = jnp.take(tokens, order // experts.shape[1], axis=0)
+    return sent, position, counts, jax.lax.all_gather(counts, axes)
 
 
 def _exchange(sent, position, weights, counts, table, ffn, matrices, axes, rows: int):

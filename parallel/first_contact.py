@@ -1,8 +1,9 @@
-"""First contact with a device: before a run trusts a fused attention kernel (cuDNN, FlashAttention-3, Pallas,
-splash) or the ragged expert dispatch, it checks them on its own devices against the reference paths (the blockwise
-kernel; the capacity dispatch with room for every assignment) on small packed inputs, forward and backward, in
-seconds. A mismatch or an error gives a warning naming the path and the error, and the run goes on on the next
-fused kernel that agrees (kernels.NEXT_FUSED: FlashAttention-3, then cuDNN, then Pallas), else the reference path.
+"""First contact with a device: before a run trusts a fused attention kernel (cuDNN, FlashAttention-3, tokamax,
+Pallas, splash) or the ragged expert dispatch, it checks them on its own devices against the reference paths (the
+blockwise kernel; the capacity dispatch with room for every assignment) on small packed inputs, forward and backward,
+in seconds. A mismatch or an error gives a warning naming the path and the error, and the run goes on on the next
+fused kernel that agrees (kernels.NEXT_FUSED: FlashAttention-3 or tokamax, then cuDNN, then Pallas), else the
+reference path.
 
 Compile tests prove the GPU programs build, stand-ins and interpret mode prove their semantics on CPU; this is what
 only the device itself can show (the numbers its kernels and collectives produce)."""

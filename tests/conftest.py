@@ -74,11 +74,12 @@ FLOOR = tuple(int(part) for part in importlib.metadata.version("jax").split(".")
 
 def pytest_collection_modifyitems(config, items):
     """The GPU compiles (the longest tests) first: with pytest-xdist no worker is left alone with one at the end. On
-    the floor stack the `newest_stack` variants skip: the floor checks each path once (every strategy and kernel),
-    the newest stack every variant (.ci/run: the GPU machines' JAX 0.11.2 compiles for GPUs too)."""
+    the floor stack the `newest_stack` and `gpu_stack` variants skip: the floor checks each path once (every strategy
+    and kernel), the newest stack every variant but the GPU machines' own (.ci/run: their JAX 0.11.2 compiles for GPUs
+    too)."""
     items.sort(key=lambda item: item.get_closest_marker("gpu_compile") is None)
     if FLOOR:
-        skip = pytest.mark.skip(reason="a further variant, checked on the newest stack (JAX >= 0.11) only")
+        skip = pytest.mark.skip(reason="a further variant, checked on the stacks of JAX >= 0.11 only")
         for item in items:
-            if item.get_closest_marker("newest_stack"):
+            if item.get_closest_marker("newest_stack") or item.get_closest_marker("gpu_stack"):
                 item.add_marker(skip)

@@ -14,6 +14,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from parallel.kernels import visible
 from parallel.kernels.arguments import Options, Tokens
 from parallel.kernels.softmax import backward_delta, finish_lse, safe_shift
 from parallel.rounding import ceil_div, round_up
@@ -145,7 +146,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
     group = heads // kv_heads
     scale = options.scale
     bq, nq = padded_blocks(tq, options.block_q)
-    bk, _ = padded_blocks(tk, options.block_kv)
+    bk, nk = padded_blocks(tk, options.block_kv)
     q, q_tokens = pad(q, 1, bq), pad_queries(q_tokens, bq)
     k, v, kv_tokens = pad(k, 1, bk), pad(v, 1, bk), pad_keys(kv_tokens, bk)
     kinds = pair_kinds(q_tokens, kv_tokens, bq, bk, options)
@@ -179,7 +180,8 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, options: Options, o
             jnp.zeros((kv_heads, bq * group), jnp.float32),
             jnp.zeros((kv_heads, bq * group, dv), jnp.float32),
         )
-        row_max, row_sum, acc = lax.fori_loop(first[b, i], last[b, i], step, init)
+        with visible.bounded(nk):
+            row_max, row_sum, acc = lax.fori_loop(first[b, i], last[b, i], step, init)
         seen = row_sum > 0
         out = acc / jnp.where(seen, row_sum, 1.0)[..., None]
         lse = finish_lse(row_max, row_sum)
@@ -210,7 +212,7 @@ def backward(
     # the same form with delta_i - dlse_i, so both gradients flow through one pass.
     delta = backward_delta(out, dout, dlse) if delta is None else delta  # [batch, tq, heads]
     scale = options.scale
-    bq, _ = padded_blocks(tq, options.block_q)
+    bq, nq = padded_blocks(tq, options.block_q)
     bk, nk = padded_blocks(tk, options.block_kv)
     q, dout, q_tokens = pad(q, 1, bq), pad(dout, 1, bq), pad_queries(q_tokens, bq)
     lse, delta = pad(lse, 1, bq, -jnp.inf), pad(delta, 1, bq)
@@ -253,7 +255,8 @@ def backward(
             return _add_at(dq, dq_blk, (b, i * bq, 0, 0)), dk_blk, dv_blk
 
         init = (dq, jnp.zeros((kv_heads, bk, dqk), jnp.float32), jnp.zeros((kv_heads, bk, dv), jnp.float32))
-        dq, dk_blk, dv_blk = lax.fori_loop(first[b, j], last[b, j], step, init)
+        with visible.bounded(nq):
+            dq, dk_blk, dv_blk = lax.fori_loop(first[b, j], last[b, j], step, init)
         at = (b, j * bk, 0, 0)  # [kv_heads, bk, d] blocks go back to token-major rows
         return dq, _add_at(dk, dk_blk.transpose(1, 0, 2)[None], at), _add_at(dv_, dv_blk.transpose(1, 0, 2)[None], at)
 

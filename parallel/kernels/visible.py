@@ -1,7 +1,9 @@
 """Kernel calls named in the compiled program with the share of their (query, key) pairs a query may see, so that the
 speed estimate (train/planning/speed.py) costs the work a kernel does rather than its dense [tq, tk] shape: a call runs
 in the named scope `attention_<kernel>_visible_<share>`, and the general kernel that cuDNN's calls run when a row
-turns out to have more documents than they serve in the scope `fallback` (a run-time branch, not the usual path)."""
+turns out to have more documents than they serve in the scope `fallback` (a run-time branch, not the usual path); a
+loop whose trip count is data (the blockwise kernel's walk over a block's visible partners) runs in the scope
+`loop_bound_<trips>` naming the most it can take, which the estimate costs it at."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from parallel.kernels.arguments import Options, Tokens
 
 SCOPE = "attention_{kernel}_visible_{share:.4f}"
 FALLBACK = "fallback"
+BOUND = "loop_bound_{trips}"
 
 
 def share(q_tokens: Tokens, kv_tokens: Tokens, options: Options) -> float:
@@ -56,3 +59,8 @@ def fallback(call: Callable) -> Callable:
             return call(*args, **kwargs)
 
     return scoped
+
+
+def bounded(trips: int):
+    """The scope of a loop whose trip count is decided at run time and is at most `trips`."""
+    return jax.named_scope(BOUND.format(trips=trips))

@@ -58,10 +58,10 @@ def plan_from_cli(argv, compiles=None):
     "config, overrides",
     [
         # every stack CI builds compiles the tiny ring (the GPU machines' JAX once crashed on the ring:
-        # test_train_step.py), the GPU machines' and the newest the recipe
+        # test_train_step.py), the GPU machines' alone the recipe
         pytest.param(TINY, OVERRIDES, id="tiny-ring"),
         pytest.param(
-            REPO / "configs" / "finetune-128k-llama3.1-8b.yaml", [], id="8b-128k-recipe", marks=pytest.mark.newest_stack
+            REPO / "configs" / "finetune-128k-llama3.1-8b.yaml", [], id="8b-128k-recipe", marks=pytest.mark.gpu_stack
         ),
     ],
 )

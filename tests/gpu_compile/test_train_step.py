@@ -5,9 +5,9 @@ train CONFIG --plan --target h100 --devices 8` compiles, and each checks that th
 compiled program. The GPU compiler takes 20-150 s a case, so most are slow; every stack CI builds (the floor, the GPU
 machines' JAX 0.11.2 and the newest) compiles EVERY_STACK: the tiny Llama's ring and usp steps with each kernel (the
 ring's with cuDNN, the default path with its Pallas fallback, through the plan command in
-tests/gpu_compile/test_gpu_plan.py) and deepseek-tiny's latent ring with cuDNN. No case may leave the SPMD partitioner a
-reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full rematerialization" on stderr); the
-embedding lookup over fsdp x context was one (parallel/lookup.py).
+tests/gpu_compile/test_gpu_plan.py); the GPU machines' stack alone also deepseek-tiny's latent ring with cuDNN. No
+case may leave the SPMD partitioner a reshard it can only do by replicating a whole tensor (XLA logs "Involuntary full
+rematerialization" on stderr); the embedding lookup over fsdp x context was one (parallel/lookup.py).
 
     python -m pytest -q -m "gpu_compile and not slow"   # python -m pytest -q -m gpu_compile: all of them
 """
@@ -72,13 +72,13 @@ CUSTOM_CALLS = {
 }
 INVOLUNTARY = "Involuntary full rematerialization"  # XLA's SPMD partitioner, on stderr
 # The steps every supported JAX compiles, the GPU machines' too (.ci/run): the ring and usp with each kernel (the ring
-# x cuDNN through the plan command in tests/gpu_compile/test_gpu_plan.py), and the latent ring with cuDNN; XLA 0.11.2's
-# GPU compiler once crashed on the ring alone (tests/train/test_shard_map_operands.py)
+# x cuDNN through the plan command in tests/gpu_compile/test_gpu_plan.py); XLA 0.11.2's GPU compiler once crashed on
+# the ring alone (tests/train/test_shard_map_operands.py)
 EVERY_STACK = {
     *(("llama", "ring", kernel) for kernel in KERNELS if kernel != "cudnn"),
     *(("llama", "usp", kernel) for kernel in KERNELS if kernel != "tokamax"),
-    ("deepseek", "ring", "cudnn"),
 }
+GPU_STACK = {("deepseek", "ring", "cudnn")}  # the latent ring (90-190 s): on the GPU machines' JAX only
 
 
 def overrides(model: str, strategy: str, kernel: str) -> list[str]:
@@ -96,10 +96,12 @@ def overrides(model: str, strategy: str, kernel: str) -> list[str]:
 
 
 def marks(model: str, strategy: str, kernel: str) -> list:
-    """Slow (see the docstring) but for EVERY_STACK; FlashAttention-3's and tokamax's cases skip where they are not
-    installed."""
+    """Slow (see the docstring) but for EVERY_STACK and GPU_STACK; FlashAttention-3's and tokamax's cases skip where
+    they are not installed."""
     missing = {"flash3": flash3.missing(), "tokamax": tokamax_attention.missing()}.get(kernel)
     wheel = pytest.mark.skipif(bool(missing), reason=missing or "")
+    if (model, strategy, kernel) in GPU_STACK:
+        return [pytest.mark.gpu_stack, wheel]
     return [wheel] if (model, strategy, kernel) in EVERY_STACK else [pytest.mark.slow, wheel]
 
 

@@ -5,10 +5,12 @@ at once costs its transfer, loops, conditionals and the attention kernels' visib
 import collections
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from parallel import tpu_targets
+from parallel import kernels, tpu_targets
 from parallel.kernels import visible
 from parallel.kernels.arguments import Options, Tokens
 from parallel.targets import H100_RATES
@@ -77,6 +79,10 @@ def test_a_collective_between_hosts_runs_at_the_network_rate():
         ("[2,2]<=[2,2]T(1,0)", [[0, 2], [1, 3]]),
         ("mesh['x'=2,'y'=2] {'x'}", [[0, 2], [1, 3]]),
         ("mesh['x'=2,'y'=2] {'x','y'}", [[0, 1, 2, 3]]),
+        # JAX 0.10's form: the mesh's devices listed as an iota transposed
+        ("mesh['x'=2,'y'=2], device_ids=([2,2]T(1,0)) {'y'}", [[0, 2], [1, 3]]),
+        ("mesh['x'=2,'y'=2], device_ids=([2,2]T(1,0)) {'x'}", [[0, 1], [2, 3]]),
+        ("mesh['x'=2,'y'=4], device_ids=([8]) {'y'}", [[0, 1, 2, 3], [4, 5, 6, 7]]),
         ("{}", [[0, 1, 2, 3]]),
     ],
 )
@@ -108,8 +114,32 @@ def test_a_loop_costs_its_body_times_its_trips_and_a_conditional_its_costliest_u
     assert cost(program(loop, body, cheap)).seconds == pytest.approx(4 * one)
     chosen = cost(program(loop + choice, body, cheap, fallback))
     assert chosen.seconds == pytest.approx(4 * one)  # the fallback branch's matmul is left out
-    unknown = cost(program(loop.replace('"n":"4"', '"m":"4"'), body, cheap))
-    assert unknown.seconds == pytest.approx(one) and unknown.unknown_loops == 1
+    unknown = loop.replace('"n":"4"', '"m":"4"')
+    alone = cost(program(unknown, body, cheap))
+    assert alone.seconds == pytest.approx(one) and alone.unknown_loops == 1 and alone.bounded_loops == 0
+    scoped = unknown.replace("}}\n", '}}, metadata={op_name="jit(f)/loop_bound_6/while"}\n')
+    bounded = cost(program(scoped, body, cheap))
+    assert bounded.seconds == pytest.approx(6 * one) and bounded.unknown_loops == 0 and bounded.bounded_loops == 1
+
+
+def test_the_blockwise_kernels_loops_are_costed_at_their_bound_on_the_visible_pairs():
+    """Its forward and backward walk each block's visible partners with a loop of run-time trips: costed at every
+    block with the matmuls at the causal share, they count the visible pairs' FLOPs (the backward's five matmuls of
+    the forward's size: 3.5 forwards in all)."""
+    length, heads = 1024, (8, 2)
+    kernel = kernels.select("blockwise", backend="cpu")
+
+    def loss(q, k, v, ids):
+        tokens = Tokens(ids, np.arange(length))
+        return jnp.sum(kernels.attention(q, k, v, tokens, tokens, kernel=kernel)[0].astype(jnp.float32))
+
+    shapes = [(1, length, heads[0], 128), *[(1, length, heads[1], 128)] * 2]
+    operands = [*(jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in shapes), jnp.zeros((1, length), jnp.int32)]
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*operands).lower().compile().as_text()
+    tally = cost(text, hosts=(0,))
+    visible_forward = 2.0 * heads[0] * (length * (length + 1) / 2) * (128 + 128)
+    assert tally.unknown_loops == 0 and tally.bounded_loops == 2
+    assert tally.flops[speed.ATTENTION] == pytest.approx(3.5 * visible_forward, rel=1e-3)
 
 
 def test_an_attention_call_takes_its_visible_pairs_at_its_kernel_rate():

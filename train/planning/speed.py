@@ -9,8 +9,9 @@ device's rate (matmuls: the dots or convolutions of a fusion, or a cuBLAS call; 
 key) pairs that its mask leaves visible, named by parallel/kernels/visible.py, at the kernel's rate; FLOPs per
 instruction in train/planning/instruction_flops.py) and its bytes (read + written) at the memory bandwidth, and at
 least a kernel's latency. A collective moves its bytes as NCCL's ring algorithms do, at NVLink's rate within a host
-and at the network's between hosts (a TPU's ICI for both). A loop costs its body times its trip count; a
-conditional its costliest branch (run-time fallbacks left out).
+and at the network's between hosts (a TPU's ICI for both). A loop costs its body times its trip count (one decided
+at run time: the bound its scope names, parallel/kernels/visible.py); a conditional its costliest branch (run-time
+fallbacks left out).
 
 Not counted: documents (a call is costed as if its row were one document: packed rows run faster), kernels
 running side by side, collectives contending with kernels for memory bandwidth and SMs, autotuned GEMM and fusion
@@ -26,7 +27,7 @@ import re
 
 import numpy as np
 
-from parallel.kernels.visible import FALLBACK
+from parallel.kernels.visible import BOUND, FALLBACK
 from parallel.rates import Rates
 from train.planning import hlo
 from train.planning.flops import PEAK_FLOPS, flops_per_token
@@ -47,6 +48,7 @@ FREE = {
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 SCOPE = re.compile(r"attention_(\w+?)_visible_([0-9.]+)")
 TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+BOUNDS = re.compile(BOUND.format(trips=r"(\d+)"))
 ATTENTION = "attention kernels"
 ATTENTION_GLUE = "attention glue (copies, pads)"
 MATMULS = "matmuls"
@@ -57,19 +59,21 @@ MEMORY_BOUND = "memory-bound kernels"
 class Tally:
     """Seconds of a schedule, `parts` splitting them by what the compute stream spent them on (kernels by kind,
     waits for collectives as '<collective> exposed'); `collectives` the seconds each kind of collective took on its
-    stream, hidden or not; `flops` by kind; `kernels` how many kernels ran; `unknown_loops` the loops whose trip
-    count is decided at run time (counted once)."""
+    stream, hidden or not; `flops` by kind; `kernels` how many kernels ran; `bounded_loops` the loops whose trip
+    count is decided at run time costed at their bound, `unknown_loops` those with none (counted once)."""
 
     seconds: float = 0.0
     kernels: float = 0.0
     parts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     collectives: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     flops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    bounded_loops: int = 0
     unknown_loops: int = 0
 
     def add(self, other: Tally, times: float = 1.0) -> None:
         self.seconds += other.seconds * times
         self.kernels += other.kernels * times
+        self.bounded_loops += other.bounded_loops
         self.unknown_loops += other.unknown_loops
         for mine, theirs in (
             (self.parts, other.parts),
@@ -82,16 +86,23 @@ class Tally:
 
 def replica_groups(instruction: hlo.Instruction, partitions: int) -> list[list[int]]:
     """The partition groups of a collective, from any of XLA's forms: {{0,1},{2,3}}, iota [2,2]<=[4] (with a
-    transpose T(..)), mesh['x'=2,'y'=2] {'y'}, or {} (all partitions)."""
+    transpose T(..)), mesh['x'=2,'y'=2] {'y'} (its devices in order, or as device_ids=([..]T(..)) lists them), or {}
+    (all partitions)."""
     text = instruction.attributes
     if pairs := re.search(r"source_target_pairs=\{(.*?)\}\}", text):
         return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)", pairs.group(1) + "}")]
-    if mesh := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", text):
+    mesh = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}", text
+    )
+    if mesh:
         axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
-        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(2))]
-        ids = np.arange(math.prod(sizes)).reshape(sizes)
-        ids = np.moveaxis(ids, grouped, range(len(sizes) - len(grouped), len(sizes)))
+        grouped = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
+        ids = np.arange(math.prod(sizes))
+        if mesh.group(2):  # the mesh's devices: an iota of that shape, transposed
+            ids = ids.reshape([int(d) for d in mesh.group(2).split(",")])
+            ids = ids.transpose([int(d) for d in mesh.group(3).split(",")]) if mesh.group(3) else ids
+        ids = np.moveaxis(ids.reshape(sizes), grouped, range(len(sizes) - len(grouped), len(sizes)))
         return ids.reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
     if iota := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text):
         shape, dims = [int(d) for d in iota.group(1).split(",")], [int(d) for d in iota.group(2).split(",")]
@@ -156,9 +167,12 @@ class Estimator:
         fallback) or call; None for other instructions."""
         op = instruction.opcode
         if op == "while":
-            trips = self.trip_count(instruction, computation)
-            tally = Tally(unknown_loops=int(trips is None))
-            tally.add(self.computation(instruction.called("body")[0]), trips or 1)
+            trips, tally = self.trip_count(instruction, computation), Tally()
+            if trips is None:
+                bound = BOUNDS.findall(instruction.op_name)
+                trips = int(bound[-1]) if bound else 1
+                tally = Tally(bounded_loops=int(bool(bound)), unknown_loops=int(not bound))
+            tally.add(self.computation(instruction.called("body")[0]), trips)
             return tally
         if op == "conditional":
             branches = instruction.called("branch_computations") or (
@@ -363,10 +377,14 @@ def format_estimate(estimate: SpeedEstimate, target: str) -> str:
         f"{kind} {_number(seconds * 1e3)} ms ({_number(tally.parts[f'{kind} exposed'] * 1e3)} exposed)"
         for kind, seconds in tally.collectives.most_common()
     )
-    unknown = (
-        f"; {tally.unknown_loops} loops whose trip count is decided at run time, counted once (the blockwise "
-        "kernel's block loops: its attention is not all counted)"
-    ) * bool(tally.unknown_loops)
+    unknown = f"; {tally.unknown_loops} loops whose trip count is decided at run time, counted once" * bool(
+        tally.unknown_loops
+    )
+    bounded = (
+        f"  loops whose trip count is decided at run time: {tally.bounded_loops}, each costed at its bound (the "
+        "blockwise kernel's walks over a block's visible partners: their matmuls at the visible share, the rest of "
+        "their work at every block)"
+    )
     rates = (
         f"{target} rates, parallel/targets.py"
         if estimate.platform == "gpu"
@@ -385,5 +403,6 @@ def format_estimate(estimate: SpeedEstimate, target: str) -> str:
             "bytes they move",
             "  not counted: documents (rows costed as one document each: packed rows run faster), kernels side by "
             f"side, collectives slowing kernels, autotuning, the host{unknown}",
+            *[bounded] * bool(tally.bounded_loops),
         ]
     )
