@@ -1,9 +1,10 @@
 """The `grouped` part of bench/on_gpu.py: the experts' grouped matmul (parallel/grouped.py) by each implementation,
 tokamax's kernel and XLA's `ragged_dot`, at one device's share of the Qwen3.5-35B-A3B recipe (16 local experts, embed
 2048, expert MLP 512; 1024 tokens x 8 experts = 8192 rows a balanced load fills), in a receive buffer of 1.25 x those
-rows and in the dropless one of 16 sources' worth: the SwiGLU experts' forward and backward, ms, TFLOP/s on the filled
-rows, the fraction of the matmul ceiling and the largest error against XLA's (float32 at full precision). A rehearsal:
-4 experts, embed 64, MLP 32, 256 filled rows, XLA's only (tokamax's kernel needs a GPU).
+rows and in the dropless dispatch's usual one (COMMON_LOAD x, parallel/experts.py): the SwiGLU experts' forward and
+backward, ms, TFLOP/s on the filled rows, the fraction of the matmul ceiling and the largest error against XLA's
+(float32 at full precision). A rehearsal: 4 experts, embed 64, MLP 32, 256 filled rows, XLA's only (tokamax's kernel
+needs a GPU).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from bench.gpu_parts import _relative_error
 from bench.timing import best_time
 from layers.moe import expert_swiglu
 from parallel import tokamax_calls
+from parallel.experts import COMMON_LOAD
 from parallel.parallelism import Parallelism, use_parallelism
 
-BUFFERS = {"capacity 1.25": 1.25, "dropless": 16}  # receive buffer rows / the rows a balanced load fills
+# receive buffer rows / the rows a balanced load fills
+BUFFERS = {"capacity 1.25": 1.25, "dropless": COMMON_LOAD}
 CANDIDATES = ("tokamax", "xla")
 
 
@@ -36,8 +39,7 @@ def grouped_bakeoff(rows: Rows, args, ceiling: float | None) -> None:
     sizes = jnp.asarray(np.random.default_rng(0).multinomial(filled, [1 / experts] * experts), jnp.int32)
     flops = 3 * 3 * 2 * filled * embed * mlp  # three matmuls, each forward and its two gradients
     rows_x = jax.random.normal(keys[3], (int(filled * max(BUFFERS.values())), embed), dtype)
-    # the reference on the filled rows alone (past them a buffer is padding): XLA's expansion of the dropless buffer
-    # in float32 would take 16 GiB
+    # the reference on the filled rows alone (past them a buffer is padding)
     reference = _run("xla", device, rows_x[:filled], weights, sizes, filled)
     for buffer_name, scale in BUFFERS.items():
         buffer = int(filled * scale)
