@@ -98,21 +98,20 @@ def replica_groups(instruction: hlo.Instruction, partitions: int) -> list[list[i
         axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
         names, sizes = [a for a, _ in axes], [int(s) for _, s in axes]
         grouped = [names.index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
-        ids = np.arange(math.prod(sizes))
-        if mesh.group(2):  # the mesh's devices: an iota of that shape, transposed
-            ids = ids.reshape([int(d) for d in mesh.group(2).split(",")])
-            ids = ids.transpose([int(d) for d in mesh.group(3).split(",")]) if mesh.group(3) else ids
+        ids = _iota(mesh.group(2), mesh.group(3)) if mesh.group(2) else np.arange(math.prod(sizes))  # its devices
         ids = np.moveaxis(ids.reshape(sizes), grouped, range(len(sizes) - len(grouped), len(sizes)))
         return ids.reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
     if iota := re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", text):
-        shape, dims = [int(d) for d in iota.group(1).split(",")], [int(d) for d in iota.group(2).split(",")]
-        ids = np.arange(math.prod(dims)).reshape(dims)
-        if iota.group(3):
-            ids = ids.transpose([int(d) for d in iota.group(3).split(",")])
-        return ids.reshape(shape).tolist()
+        return _iota(iota.group(2), iota.group(3)).reshape([int(d) for d in iota.group(1).split(",")]).tolist()
     if groups := re.search(r"replica_groups=\{(\{[\d,{} ]*\})\}", text):
         return [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", groups.group(1))]
     return [list(range(partitions))]
+
+
+def _iota(dims: str, transpose: str | None) -> np.ndarray:
+    """XLA's iota device list "[dims]T(transpose)" as written ("4,2", "1,0" or None): arange over dims, transposed."""
+    ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+    return ids.transpose([int(d) for d in transpose.split(",")]) if transpose else ids
 
 
 class Estimator:
